@@ -1,0 +1,62 @@
+"""materl's errors. Each class also inherits the built-in it stands for, so callers that catch
+``ValueError`` or ``LookupError`` keep working; every message says what failed, the value
+received, the valid choices and where."""
+
+
+class MaterlError(Exception):
+    """Base of every error materl raises on purpose."""
+
+
+class UnknownNameError(MaterlError, LookupError):
+    """A registry (or graph) was asked for a name it does not hold."""
+
+    def __str__(self) -> str:  # LookupError/KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateNameError(MaterlError, ValueError):
+    """A name was registered twice."""
+
+
+class ShapeError(MaterlError, ValueError):
+    """A tensor has the wrong shape, dtype or length for the op it was given to."""
+
+
+class RecipeError(MaterlError, ValueError):
+    """A recipe is malformed: a cycle, a missing input, a duplicate node, a scope error."""
+
+
+class CompileError(MaterlError, ValueError):
+    """A recipe cannot be compiled with the agents and options given."""
+
+
+class RewardError(MaterlError, ValueError):
+    """A reward returned something other than finite numbers of the right shape."""
+
+
+class ConfigError(MaterlError, ValueError):
+    """A configuration value is out of range or of the wrong type."""
+
+
+class ModelNotFoundError(MaterlError, FileNotFoundError):
+    """A model name or path does not resolve to loadable weights."""
+
+
+class EngineError(MaterlError, RuntimeError):
+    """A generation engine failed or was misused."""
+
+
+class ToolError(MaterlError, RuntimeError):
+    """A tool server or tool call failed (recorded on the episode, not raised out of it)."""
+
+
+class KernelError(MaterlError, RuntimeError):
+    """A Mojo kernel is missing or failed to build."""
+
+
+class EpisodeError(MaterlError, RuntimeError):
+    """An episode failed; the scheduler records it and leaves it out of the update."""
+
+
+class StepTimeoutError(MaterlError, TimeoutError):
+    """An episode, tool call or step ran past its time limit."""

@@ -1,0 +1,84 @@
+"""Masked reductions and group bookkeeping shared by the ops. Pure tensor functions.
+
+Shapes: B rows, T tokens; ``mask_B_T`` is 1 where a token counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from materl.errors import ShapeError
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean over the entries where mask is 1 (verl: ``masked_mean``). An all-zero mask gives 0."""
+    denom = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(x, mask, dim) / denom.clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
+    """Variance over masked entries; unbiased (n-1) like verl's ``masked_var``."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = var * n / (n - 1).clamp(min=1)
+    return var
+
+
+def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over masked entries (verl: ``masked_whiten``)."""
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def group_index(
+    n: int, *, group_ids: Sequence[Hashable] | Tensor | None = None, group_size: int | None = None
+) -> tuple[Tensor, int]:
+    """Map rows to dense group indices 0..G-1 (in order of first appearance).
+
+    Exactly one of ``group_ids`` (any hashables, one per row) or ``group_size`` (consecutive
+    rows of that size) is given. Returns ``(index_B, num_groups)``.
+    """
+    if (group_ids is None) == (group_size is None):
+        raise ShapeError(
+            f"give exactly one of group_ids or group_size (got group_ids={'set' if group_ids is not None else None}, "
+            f"group_size={group_size})"
+        )
+    if group_size is not None:
+        if group_size < 1 or n % group_size:
+            raise ShapeError(f"group_size={group_size} does not divide the batch of {n} rows")
+        return torch.arange(n) // group_size, n // group_size
+    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    if len(ids) != n:
+        raise ShapeError(f"group_ids has {len(ids)} entries for a batch of {n} rows")
+    dense: dict[Hashable, int] = {}
+    index = [dense.setdefault(g, len(dense)) for g in ids]
+    return torch.tensor(index, dtype=torch.long), len(dense)
+
+
+def group_stats(scores_B: Tensor, index_B: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row group mean, unbiased group std (0 for singleton groups) and group size."""
+    ones = torch.ones_like(scores_B)
+    count_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, ones)
+    sum_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, scores_B)
+    mean_G = sum_G / count_G
+    dev_B = scores_B - mean_G[index_B]
+    sq_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, dev_B**2)
+    std_G = torch.where(count_G > 1, (sq_G / (count_G - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq_G))
+    return mean_G[index_B], std_G[index_B], count_G[index_B]
+
+
+def check_same_shape(**tensors: Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        listed = ", ".join(f"{k}{list(v)}" for k, v in shapes.items())
+        raise ShapeError(f"shapes must match: {listed}")

@@ -1,0 +1,132 @@
+"""The records an episode produces. Token ids are exact (what the engine saw and sampled);
+nothing here is ever re-tokenized.
+
+A ``Rollout`` is a prompt plus an ordered list of ``Step``s. A ``generate`` step holds sampled
+tokens and their sampling log-probs and is trained on; a ``tool`` step holds the tokens that
+carried a tool's result (and the chat-template glue around it) and is never trained on.
+A single-turn completion is a Rollout with one generate step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class ToolCall:
+    """One tool call parsed from model output. ``error`` is set when the call was malformed."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+    raw: str = ""
+    error: str | None = None
+
+
+@dataclass
+class ToolResult:
+    """What a tool returned (or the error it raised, as text the model will see)."""
+
+    name: str
+    content: str
+    is_error: bool = False
+    latency_s: float = 0.0
+    call_id: str = ""
+
+
+@dataclass
+class Step:
+    kind: Literal["generate", "tool"]
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # sampling log-probs; [] for tool steps
+    text: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # parsed from a generate step
+    tool_results: list[ToolResult] = field(default_factory=list)  # carried by a tool step
+    finish_reason: str = ""  # "stop", "length", "tool_call"
+    reward: float | None = None  # step-level reward, lands on this step's last token
+    latency_s: float = 0.0
+    error: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> bool:
+        return self.kind == "generate"
+
+    @property
+    def tool_requests(self) -> list[ToolCall]:
+        return [c for c in self.tool_calls if c.error is None]
+
+
+@dataclass
+class Rollout:
+    prompt_ids: list[int]
+    steps: list[Step] = field(default_factory=list)
+    prompt_text: str = ""
+    messages: list[dict[str, Any]] = field(default_factory=list)  # chat history, for display
+    error: str | None = None  # set when the episode failed; such rollouts are left out of updates
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    # -- token views (all over the completion: every token after the prompt) --
+    @property
+    def completion_ids(self) -> list[int]:
+        return [t for s in self.steps for t in s.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return [int(s.trainable) for s in self.steps for _ in s.token_ids]
+
+    @property
+    def sampling_logprobs(self) -> list[float]:
+        out: list[float] = []
+        for s in self.steps:
+            out.extend(s.logprobs if s.trainable else [0.0] * len(s.token_ids))
+        return out
+
+    @property
+    def step_ends(self) -> list[int]:
+        """Index (into completion_ids) of each step's last token; -1 for an empty first step."""
+        ends, n = [], 0
+        for s in self.steps:
+            n += len(s.token_ids)
+            ends.append(n - 1)
+        return ends
+
+    # -- text views --
+    @property
+    def text(self) -> str:
+        """The text of the last generate step (the final answer of a multi-turn episode)."""
+        gens = [s for s in self.steps if s.kind == "generate"]
+        return gens[-1].text if gens else ""
+
+    @property
+    def full_text(self) -> str:
+        return "".join(s.text for s in self.steps)
+
+    @property
+    def generate_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "generate"]
+
+    @property
+    def tool_steps(self) -> list[Step]:
+        return [s for s in self.steps if s.kind == "tool"]
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [c for s in self.steps for c in s.tool_calls]
+
+    @property
+    def tool_results(self) -> list[ToolResult]:
+        return [r for s in self.steps for r in s.tool_results]
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.generate_steps)
+
+    def step_rewards(self) -> list[float]:
+        """Per completion token: each step's reward on its last token, 0 elsewhere."""
+        out = [0.0] * len(self.completion_ids)
+        for s, end in zip(self.steps, self.step_ends):
+            if s.reward is not None and end >= 0 and s.token_ids:
+                out[end] += s.reward
+        return out
