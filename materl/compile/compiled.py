@@ -1,0 +1,218 @@
+"""``ml.compile``: a recipe plus agents and options becomes a runnable training step.
+
+    step = ml.compile(grpo, policy=policy, ref_policy=ref, group_size=4, lr=1e-5)
+    print(step.explain())
+    metrics = step.run(prompts=["..."], answer=["..."])    # or: await step.arun(...)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import torch
+
+import materl.compile.score_ops  # noqa: F401  (registers scoring implementations)
+from materl.compile.impls import choose
+from materl.compile.learner import Learner
+from materl.compile.options import CompileOptions
+from materl.compile.plan import make_plan
+from materl.compile.scheduler import rollout
+from materl.compile.values import Episode
+from materl.errors import CompileError, EpisodeError
+from materl.graph.node import Recipe
+
+
+def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the public name is ml.compile
+    """Validate, prune, order, choose implementations and partition ``recipe`` into stages.
+    Keyword arguments that name the recipe's agents bind them; the rest are CompileOptions."""
+    if not isinstance(recipe, Recipe):
+        raise CompileError(f"ml.compile needs a recipe (from @ml.recipe or @ml.algorithm), got {type(recipe).__name__}")
+    agents = {k: v for k, v in kwargs.items() if k in recipe.agents or _is_agent(v)}
+    options = CompileOptions.from_kwargs(**{k: v for k, v in kwargs.items() if k not in agents})
+    return Compiled(recipe, agents, options)
+
+
+def _is_agent(x: Any) -> bool:
+    from materl.agent import Agent
+
+    return isinstance(x, Agent)
+
+
+class Compiled:
+    def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions):
+        self.recipe = recipe
+        self.agents = agents
+        self.options = options
+        self.plan = make_plan(recipe, agents, options, choose)
+        self.step_count = 0
+        self.greedy = False
+        self.timings: dict[str, float] = {}
+        self.last_episodes: list[Episode] = []
+        self.last_errors: list[str] = []
+        self.optimizers = {
+            name: torch.optim.AdamW(
+                [p for p in a.parameters() if p.requires_grad],
+                lr=(options.value_lr or options.lr) if getattr(a, "head", None) == "value" else options.lr,
+                betas=options.betas, weight_decay=options.weight_decay,
+            )
+            for name, a in agents.items() if a.trainable
+        }
+        self.references = self._reference_pairs()
+        torch.manual_seed(options.seed)
+
+    # -- public --
+    def explain(self) -> str:
+        return self.plan.explain()
+
+    def run(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
+        """One training step: rollout, learner, update. Blocking; inside a running event loop use
+        ``await arun(...)``."""
+        try:
+            import sniffio
+
+            sniffio.current_async_library()
+        except Exception:
+            return anyio.run(lambda: self.arun(prompts, **columns))
+        raise CompileError("compiled.run() was called inside an event loop; use `await compiled.arun(...)`")
+
+    async def arun(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
+        self.timings = {}
+        t0 = time.perf_counter()
+        episodes = await self.rollout(prompts, **columns)
+        metrics = await self.learn(episodes)
+        metrics["time/step"] = time.perf_counter() - t0
+        return metrics
+
+    async def rollout(self, prompts: Sequence[Any] | None = None, *, group_size: int | None = None,
+                      greedy: bool = False, **columns: Any) -> list[Episode]:
+        """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
+        episodes = self.make_episodes(prompts, columns, group_size or self.options.group_size)
+        self.greedy = greedy
+        try:
+            await rollout(self, episodes)
+        finally:
+            self.greedy = False
+        return episodes
+
+    async def learn(self, episodes: list[Episode]) -> dict[str, float]:
+        ok = [e for e in episodes if e.ok]
+        metrics = self.rollout_metrics(episodes)
+        self.last_episodes = ok
+        if not ok:
+            metrics["skipped_update"] = 1.0
+            return metrics
+        learner = Learner(self)
+        t0 = time.perf_counter()
+        await learner.prepare(ok)
+        self.timings["stage/prepare"] = time.perf_counter() - t0
+        metrics.update(learner.run(ok))
+        self.step_count += 1
+        self.update_references(metrics.get("policy_loss/kl", metrics.get("kl")))
+        metrics.update({f"time/{k}": v for k, v in self.timings.items()})
+        metrics["step"] = float(self.step_count)
+        return metrics
+
+    # -- pieces --
+    def make_episodes(self, prompts, columns: dict, group_size: int) -> list[Episode]:
+        data_inputs = [n.name for n in self.recipe.nodes if n.op == "input"]
+        if prompts is None:
+            if len(data_inputs) == 1 and data_inputs[0] in columns:
+                prompts = columns.pop(data_inputs[0])
+            else:
+                raise CompileError(f"run() needs the recipe's data input(s): {', '.join(data_inputs)}")
+        rows = list(prompts)
+        for k, v in columns.items():
+            if len(v) != len(rows):
+                raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
+        has_generation = any(self.plan.nodes[n].op in ("generate", "generate_step") for n in self.plan.episode)
+        g = group_size if has_generation else 1
+        episodes = []
+        for p, row in enumerate(rows):
+            cols = {k: v[p] for k, v in columns.items()}
+            prompt = row
+            if isinstance(row, dict) and has_generation:
+                cols = {**{k: v for k, v in row.items() if k not in ("prompt", "messages")}, **cols}
+                prompt = row.get("prompt", row.get("messages"))
+            gid = cols.get("id", p)
+            for j in range(g):
+                idx = p * g + j
+                seed = self.options.seed * 1_000_003 + self.step_count * 100_003 + idx
+                ep = Episode(idx, p, gid, prompt, cols, seed)
+                for name in data_inputs:
+                    ep.values[name] = prompt if len(data_inputs) == 1 else row[name]
+                episodes.append(ep)
+        return episodes
+
+    def rollout_metrics(self, episodes: list[Episode]) -> dict[str, float]:
+        ok = [e for e in episodes if e.error is None]
+        m: dict[str, float] = {
+            "episodes": float(len(episodes)), "failed_episodes": float(len(episodes) - len(ok)),
+            "filtered_episodes": float(sum(e.filtered for e in ok)),
+        }
+        reward_nodes = [n for n in self.plan.order if self.plan.nodes[n].op == "rewards"]
+        for name in reward_nodes:
+            totals = torch.tensor([float(torch.as_tensor(e.values[name]).sum()) for e in ok if name in e.values])
+            if len(totals):
+                key = "reward" if name == reward_nodes[0] else f"reward/{name}"
+                m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
+                m[f"{key}/std"] = float(totals.std(unbiased=False))
+        comps = sorted({k for e in ok for k in e.metrics if k.startswith("reward/")})
+        for k in comps:
+            vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
+            m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
+        rollouts = [e.values[n] for e in ok for n in self.plan.episode[-1:] if n in e.values]
+        from materl.compile.score_ops import as_rollout
+
+        tokens = 0
+        for r in rollouts:
+            try:
+                tokens += sum(as_rollout(r).loss_mask)
+            except Exception:
+                pass
+        m["tokens"] = float(tokens)
+        for e in episodes:
+            for k, v in e.timings.items():
+                m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))
+        if self.timings.get("stage/rollout"):
+            m["time/rollout"] = self.timings["stage/rollout"]
+        self.last_errors = [e.error for e in episodes if e.error]
+        return m
+
+    def optimizer_step(self) -> float:
+        norms = []
+        for name, opt in self.optimizers.items():
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if self.options.max_grad_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, self.options.max_grad_norm)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return max(norms, default=0.0)
+
+    def _reference_pairs(self) -> list:
+        """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one."""
+        from materl.ops.reference import make_reference_policy
+
+        trainable = [n for n, a in self.agents.items() if a.trainable and getattr(a, "head", None) != "value"]
+        pairs = []
+        for name, a in self.agents.items():
+            if a.trainable or not trainable or getattr(a, "head", None) == "value":
+                continue
+            source = "policy" if "policy" in trainable else trainable[0]
+            policy = make_reference_policy(self.options.reference, **dict(self.options.reference_options))
+            pairs.append((a, self.agents[source], policy))
+        return pairs
+
+    def update_references(self, kl: float | None) -> None:
+        for ref, src, policy in self.references:
+            with torch.no_grad():
+                policy.update(list(ref.model.parameters()), list(src.model.parameters()), step=self.step_count,
+                              kl=kl if kl is not None else 0.0)
+
+    def __repr__(self) -> str:
+        return f"<compiled {self.recipe.name}: {len(self.plan.order)} nodes, agents {', '.join(self.agents)}>"
+
+
+__all__ = ["compile", "Compiled", "EpisodeError"]

@@ -1,0 +1,164 @@
+"""Rewards, advantages and group filters: the scoring nodes between rollout and learner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from materl.compile.impls import register
+from materl.compile.values import Episode, pad_rows, to_tensor
+from materl.errors import CompileError
+from materl.graph.node import Node
+from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.types import Rollout, Step
+
+
+def as_rollout(x: Any) -> Rollout:
+    if isinstance(x, Rollout):
+        return x
+    if isinstance(x, (StepResult, EpisodeState)):
+        return x.rollout
+    raise CompileError(f"expected a rollout (from generate, generate_step or structure_rollout), got {type(x).__name__}")
+
+
+def prompt_text(prompt: Any) -> str:
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt", prompt.get("messages"))
+    if isinstance(prompt, list):
+        users = [m["content"] for m in prompt if m.get("role") == "user"]
+        return users[-1] if users else ""
+    return str(prompt)
+
+
+def last_trainable(r: Rollout) -> int:
+    mask = r.loss_mask
+    return max((i for i, m in enumerate(mask) if m), default=len(mask) - 1)
+
+
+def _step_index(r: Rollout, step: Step | None) -> int | None:
+    if step is None:
+        return None
+    for s, end in zip(r.steps, r.step_ends):
+        if s is step:
+            return end
+    return None
+
+
+async def rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> list:
+    """Weighted sum of the node's terms for each episode: a float, or a per-token list when a
+    term is step-level (its reward on its step's last token) or token-level."""
+    from materl.ops.rewards import Reward
+
+    n = len(eps)
+    outcome = [0.0] * n
+    per_token: list[list[float] | None] = [None] * n
+    for term in node.params["terms"]:
+        rollouts = [as_rollout(x) for x in inputs[term["rollout"]]] if "rollout" in term else None
+        if "input" in term:
+            scores = to_tensor(inputs[term["input"]], n)
+        else:
+            steps = [x.step if isinstance(x, StepResult) else None for x in inputs[term["step"]]] if "step" in term else None
+            batch = _reward_batch(eps, rollouts, steps)
+            scores = await Reward.from_spec(term["fn"], **term["params"]).ascore(**batch)
+        w = term["weight"]
+        for i, ep in enumerate(eps):
+            row = scores[i]
+            label = f"reward/{term['label']}"
+            ep.metrics[label] = ep.metrics.get(label, 0.0) + float(row.sum())
+            if "step" in term or row.dim() == 1:
+                r = rollouts[i]
+                if per_token[i] is None:
+                    per_token[i] = [0.0] * len(r.completion_ids)
+                if "step" in term:
+                    where = _step_index(r, steps[i])
+                    if where is not None:
+                        per_token[i][where] += w * float(row)
+                else:
+                    for t, v in enumerate(row.tolist()[: len(per_token[i])]):
+                        per_token[i][t] += w * v
+            else:
+                outcome[i] += w * float(row)
+    if all(p is None for p in per_token):
+        return outcome
+    out = []
+    for i, ep in enumerate(eps):
+        r = as_rollout(_first_rollout(node, inputs, i))
+        tokens = per_token[i] if per_token[i] is not None else [0.0] * len(r.completion_ids)
+        if tokens:
+            tokens[last_trainable(r)] += outcome[i]
+        out.append(tokens)
+    return out
+
+
+def _first_rollout(node: Node, inputs: list[list], i: int):
+    for term in node.params["terms"]:
+        if "rollout" in term:
+            return inputs[term["rollout"]][i]
+    raise CompileError(f"rewards node {node.name!r} has step rewards but no rollout to place them on")
+
+
+def _reward_batch(eps: list[Episode], rollouts: list[Rollout], steps: list[Step | None] | None) -> dict:
+    if steps is not None:
+        completions = [s.text if s is not None else "" for s in steps]
+        ids = [list(s.token_ids) if s is not None else [] for s in steps]
+    else:
+        completions = [r.text for r in rollouts]
+        ids = [[t for s in r.steps if s.kind == "generate" for t in s.token_ids] for r in rollouts]
+    columns: dict[str, list] = {}
+    for ep in eps:
+        for k in ep.columns:
+            columns.setdefault(k, [])
+    for k in columns:
+        columns[k] = [ep.columns.get(k) for ep in eps]
+    return dict(prompts=[prompt_text(ep.prompt) for ep in eps], completions=completions, completion_ids=ids,
+                rollouts=rollouts, group_ids=[ep.group_id for ep in eps], **columns)
+
+
+async def rewards_episode(rt, node: Node, ep: Episode, *values):
+    return (await rewards_batch(rt, node, [ep], [[v] for v in values]))[0]
+
+
+def advantages_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+    from materl.ops.advantages import ADVANTAGES
+    from materl.ops.kl import kl_penalty
+
+    p = dict(node.params)
+    est = p.pop("estimator")
+    kl_coef, kl = p.pop("kl_coef", 0.0), p.pop("kl", "k1")
+    rollouts = [as_rollout(x) for x in inputs[1]]
+    mask = pad_rows([r.loss_mask for r in rollouts])
+    width = mask.shape[1]
+    rewards = to_tensor(inputs[0], len(eps), width=width)
+    if kl_coef:
+        ref, old = (to_tensor(v, len(eps), width=width) for v in inputs[2:4])
+        if rewards.dim() == 1:
+            rewards = _outcome_on_last_token(rewards, mask)
+        rewards = rewards - kl_coef * kl_penalty(old, ref, estimator=kl) * mask
+    extra = [to_tensor(v, len(eps), width=width) for v in inputs[2:]] if est == "gae" else []
+    adv, returns = ADVANTAGES.get(est)(rewards.double(), mask.double(), *[e.double() for e in extra],
+                                       group_ids=[ep.group_id for ep in eps], **p)
+    return {"advantages": adv.float(), "returns": returns.float()}
+
+
+def _outcome_on_last_token(r_B, mask):
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+    first_last = last & (last.cumsum(-1) == 1)
+    return first_last.float() * r_B[:, None]
+
+
+def filter_groups_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> list[bool]:
+    """Keep a group only if its rewards differ (DAPO dynamic sampling)."""
+    scores = [float(torch.as_tensor(v).sum()) for v in inputs[0]]
+    by_group: dict = {}
+    for ep, s in zip(eps, scores):
+        by_group.setdefault(ep.group_id, []).append(s)
+    keep = [max(by_group[ep.group_id]) - min(by_group[ep.group_id]) > 1e-12 for ep in eps]
+    for ep, k in zip(eps, keep):
+        ep.filtered = ep.filtered or not k
+    return keep
+
+
+register("rewards", "python", episode=rewards_episode, batch=rewards_batch)
+register("advantages", "torch", batch=advantages_batch)
+register("filter_groups", "python", batch=filter_groups_batch)

@@ -1,0 +1,221 @@
+"""Node constructors: what a recipe body calls. Each adds one node and returns its Value.
+
+Hyperparameters left as ``None`` are filled at compile time from the compile options (e.g.
+``max_new_tokens``); everything else is recorded on the node and shown by ``print(recipe)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from materl.errors import RecipeError
+from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
+
+
+def _given(**kw: Any) -> dict[str, Any]:
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+# -- rollout (episode scope) ------------------------------------------------------------------
+
+
+def generate(agent, prompts, *, name: str | None = None, max_new_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+             system: str | None = None, stop: list[str] | None = None) -> Value:
+    """Sample one completion per episode from ``agent`` (a single-turn Rollout)."""
+    b = active_builder("ml.generate")
+    a = b.agent(agent, "ml.generate")
+    params = _given(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    system=system, stop=stop)
+    return b.add("generate", [a, prompts], params, scope="episode", name=name,
+                 default_name="completions", fixed_scope=True)
+
+
+def generate_step(agent, history, tool_responses=None, *, name: str | None = None, tools=None,
+                  parser: str = "hermes", max_new_tokens: int | None = None,
+                  temperature: float | None = None, system: str | None = None) -> Value:
+    """Continue an episode: append ``tool_responses`` to ``history`` (the prompts for the first
+    turn, else a previous step's ``.history``) and generate until end of turn or a complete tool
+    call. The result has ``.tool_requests``, ``.history``, ``.text``, ``.token_ids``, ``.logprobs``."""
+    b = active_builder("ml.generate_step")
+    a = b.agent(agent, "ml.generate_step")
+    inputs = [a, history] + ([tool_responses] if tool_responses is not None else [])
+    params = _given(tools=tools, max_new_tokens=max_new_tokens, temperature=temperature, system=system)
+    params["parser"] = parser
+    return b.add("generate_step", inputs, params, scope="episode", name=name, default_name="step",
+                 fixed_scope=True)
+
+
+def structure_rollout(*parts, name: str | None = None, turn_gamma: float | None = None) -> Value:
+    """The episode's Rollout: ordered generate and tool steps with exact token ids and loss masks
+    (tool output and prompts are never trained on)."""
+    if not parts:
+        raise RecipeError("ml.structure_rollout needs at least one step")
+    b = active_builder("ml.structure_rollout")
+    return b.add("structure_rollout", list(parts), _given(turn_gamma=turn_gamma), scope="episode",
+                 name=name, default_name="rollout", fixed_scope=True)
+
+
+def reward(fn, *, weight: float = 1.0, rollout=None, step=None, name: str = "", **params) -> RewardExpr:
+    """A weighted reward term: a registered name (``"length"``) or a callable
+    ``fn(*, completions, prompts, completion_ids, rollouts, **columns)``. ``+`` composes; the sum
+    becomes one ``rewards`` node. ``rollout=`` picks what it scores (default: the latest generated
+    output); ``step=`` scores one generate step and puts the reward on that step's last token."""
+    if isinstance(fn, str):
+        from materl.ops.rewards import REWARDS
+
+        REWARDS.get(fn)  # unknown names fail here, at recipe time, with a suggestion
+    elif not callable(fn):
+        raise RecipeError(f"ml.reward needs a reward name or a callable, got {fn!r}")
+    for key, v in (("rollout", rollout), ("step", step)):
+        if v is not None and not isinstance(v, Value):
+            raise RecipeError(f"ml.reward({key}=...) needs a Value from the recipe, got {v!r}")
+    term = RewardTerm(fn, float(weight), tuple(sorted(params.items())),
+                      rollout.ref if rollout is not None else None, step.ref if step is not None else None, name)
+    return RewardExpr((term,))
+
+
+def filter_groups(rewards, *, metric: str = "reward", name: str | None = None) -> Value:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (zero advantage signal)."""
+    b = active_builder("ml.filter_groups")
+    return b.add("filter_groups", [rewards], {"metric": metric}, scope="group", name=name,
+                 default_name="filter_groups")
+
+
+# -- group scope -------------------------------------------------------------------------------
+
+
+def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: str | None = None,
+               kl_coef: float = 0.0, kl: str = "k1", name: str | None = None, **hparams) -> Value:
+    """Advantages from rewards with a registered estimator (default: the recipe's, else grpo).
+
+    ``ref_logprobs``/``policy_logprobs`` are read only with ``kl_coef > 0``: the rewards then get a
+    per-token KL penalty ``-kl_coef * KL(policy_old || ref)`` first (verl's ``use_kl_in_reward``),
+    which makes the node batch-scope. With ``kl_coef == 0`` they are not dependencies."""
+    b = active_builder("ml.advantages")
+    if estimator is not None:
+        from materl.ops.advantages import ADVANTAGES
+
+        ADVANTAGES.get(estimator)
+    inputs = [rewards, _scored(b, "ml.advantages")]
+    if kl_coef:
+        if ref_logprobs is None or policy_logprobs is None:
+            raise RecipeError("ml.advantages(kl_coef>0) needs ref_logprobs and policy_logprobs")
+        inputs += [ref_logprobs, policy_logprobs]
+    params = {"estimator": estimator, **hparams, **({"kl_coef": kl_coef, "kl": kl} if kl_coef else {})}
+    return b.add("advantages", inputs, _given(**params), scope="group", name=name, default_name="advantages")
+
+
+def gae_advantages(rewards, values, *, gamma: float = 1.0, lam: float = 1.0, name: str | None = None) -> Value:
+    """Generalised advantage estimation over a value model (PPO/VAPO); also yields returns."""
+    b = active_builder("ml.gae_advantages")
+    return b.add("advantages", [rewards, _scored(b, "ml.gae_advantages"), values],
+                 {"estimator": "gae", "gamma": gamma, "lam": lam}, scope="group", name=name,
+                 default_name="gae_advantages")
+
+
+def _scored(b, what: str) -> Value:
+    latest = b.latest_completions()
+    if latest is None:
+        raise RecipeError(f"{what} needs generated completions earlier in recipe {b.name!r}")
+    return latest
+
+
+# -- learner (batch scope) ---------------------------------------------------------------------
+
+
+def logprobs(agent, prompts, completions, *, name: str | None = None, temperature: float | None = None) -> Value:
+    """Per-token log-probs of ``completions`` under ``agent`` (B,T), computed in chunks."""
+    b = active_builder("ml.logprobs")
+    a = b.agent(agent, "ml.logprobs")
+    return b.add("logprobs", [a, prompts, completions], _given(temperature=temperature), scope="batch",
+                 name=name, default_name="logprobs")
+
+
+def values(agent, prompts, completions, *, name: str | None = None) -> Value:
+    """Per-token values (B,T) from an agent with ``head="value"``."""
+    b = active_builder("ml.values")
+    a = b.agent(agent, "ml.values")
+    return b.add("values", [a, prompts, completions], {}, scope="batch", name=name, default_name="values")
+
+
+def policy_loss(advantages, logprobs, ref_logprobs=None, *, loss: str = "ppo_clip", agg: str = "token_mean",
+                kl: str | None = None, kl_coef: float = 0.0, name: str | None = None, **hparams) -> Value:
+    """A registered policy loss, aggregated by a registered mode, plus ``kl_coef * agg(KL)`` when
+    reference log-probs are given. Old log-probs are the sampling log-probs of the rollout."""
+    from materl.ops.aggregate import LOSS_AGG
+    from materl.ops.losses import POLICY_LOSSES
+
+    POLICY_LOSSES.get(loss)
+    LOSS_AGG.get(agg)
+    if kl_coef and ref_logprobs is None:
+        raise RecipeError(f"policy loss {loss!r} has kl_coef={kl_coef} but no ref_logprobs")
+    if kl is not None:
+        from materl.ops.kl import KL_ESTIMATORS
+
+        KL_ESTIMATORS.get(kl)
+    b = active_builder("ml.policy_loss")
+    inputs = [advantages, logprobs] + ([ref_logprobs] if ref_logprobs is not None else [])
+    params = {"loss": loss, "agg": agg, **hparams}
+    if ref_logprobs is not None:
+        params.update(kl=kl or "k3", kl_coef=float(kl_coef))
+    return b.add("policy_loss", inputs, params, scope="batch", name=name, default_name="policy_loss")
+
+
+def _loss_constructor(loss: str, doc: str, **defaults):
+    def constructor(advantages, logprobs, ref_logprobs=None, **kw) -> Value:
+        merged = {**defaults, **kw}
+        if ref_logprobs is None:
+            merged.pop("kl", None), merged.pop("kl_coef", None)
+        return policy_loss(advantages, logprobs, ref_logprobs, loss=loss, **merged)
+
+    constructor.__name__ = f"{loss}_loss"
+    constructor.__doc__ = doc
+    return constructor
+
+
+grpo_loss = _loss_constructor(
+    "ppo_clip", "GRPO (Shao et al. 2024): clipped ratio, per-sequence token mean, k3 KL at 0.04.",
+    agg="seq_mean_token_mean", kl="k3", kl_coef=0.04)
+ppo_loss = _loss_constructor("ppo_clip", "PPO clipped surrogate (eps_low/eps_high, dual_clip).")
+gspo_loss = _loss_constructor("gspo", "GSPO: sequence-level importance ratio.", agg="seq_mean_token_mean")
+cispo_loss = _loss_constructor("cispo", "CISPO (MiniMax-M1): clipped, stop-gradient IS weights.")
+reinforce_loss = _loss_constructor("reinforce", "REINFORCE: -A * log pi.")
+gpg_loss = _loss_constructor("gpg", "GPG: -A * log pi with GPG's rescaled advantages.")
+sapo_loss = _loss_constructor("sapo", "SAPO: soft, sigmoid-gated ratio.")
+clip_cov_loss = _loss_constructor("clip_cov", "Clip-Cov: detach high-covariance tokens.")
+kl_cov_loss = _loss_constructor("kl_cov", "KL-Cov: KL penalty on high-covariance tokens.")
+
+
+def value_loss(values, targets, *, clip_range: float = 0.2, gamma: float = 1.0, name: str | None = None) -> Value:
+    """Clipped value loss. ``targets`` is a GAE node (its returns) or a rewards node (then the
+    targets are discounted rewards-to-go, i.e. lambda=1 returns, as VAPO's critic uses)."""
+    b = active_builder("ml.value_loss")
+    return b.add("value_loss", [values, targets], {"clip_range": clip_range, "gamma": gamma}, scope="batch",
+                 name=name, default_name="value_loss")
+
+
+def dpo_loss(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs=None, ref_rejected_logprobs=None, *,
+             loss: str = "sigmoid", beta: float = 0.1, name: str | None = None, **hparams) -> Value:
+    """A registered preference loss over sequence log-probs (DPO and friends)."""
+    from materl.ops.preference import PREFERENCE_LOSSES
+
+    PREFERENCE_LOSSES.get(loss)
+    b = active_builder("ml.dpo_loss")
+    refs = [x for x in (ref_chosen_logprobs, ref_rejected_logprobs) if x is not None]
+    if len(refs) == 1:
+        raise RecipeError("ml.dpo_loss needs both reference log-probs or neither")
+    return b.add("preference_loss", [chosen_logprobs, rejected_logprobs, *refs],
+                 {"loss": loss, "beta": beta, **hparams}, scope="batch", name=name, default_name="dpo_loss")
+
+
+def set_loss(value, weight: float = 1.0) -> None:
+    """Make ``value`` the recipe's only loss term."""
+    b = active_builder("ml.set_loss")
+    b.losses = [(b.ref(value), float(weight))]
+
+
+def add_loss(value, weight: float = 1.0) -> None:
+    """Add a weighted loss term; the learner minimises the weighted sum."""
+    b = active_builder("ml.add_loss")
+    b.losses.append((b.ref(value), float(weight)))

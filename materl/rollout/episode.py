@@ -1,0 +1,190 @@
+"""Multi-turn episodes with exact token ids.
+
+The context of turn k+1 is turn k's exact ids, plus the tokens the model sampled, plus the
+tokens of the chat-template glue that carries the tool results. Only that glue is tokenized; the
+history is never re-tokenized, so what the learner trains on is exactly what the engine saw.
+
+    state = EpisodeState.start(tokenizer, prompt, tools=specs)
+    result = await generate_step(engine, tokenizer, state, None, params)   # turn 1
+    results = [await toolbox.call(c.name, c.arguments) for c in result.tool_requests]
+    result = await generate_step(engine, tokenizer, result.history, results, params)   # turn 2
+    rollout = result.history.to_rollout()
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from materl.engines.base import SamplingParams
+from materl.errors import EngineError
+from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
+
+_SENTINEL = "\x00materl-sentinel\x00"
+
+
+def prompt_messages(prompt: Any, system: str | None = None) -> list[dict]:
+    """A prompt (str, chat messages, or a row with 'prompt'/'messages') as chat messages."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("messages") or prompt.get("prompt")
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise EngineError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    if system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def render(tokenizer, messages: list[dict], *, tools=None, add_generation_prompt: bool) -> str:
+    if getattr(tokenizer, "chat_template", None) is None:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+    kw = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kw)
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@dataclass
+class EpisodeState:
+    """Everything an episode has seen so far, as exact token ids plus the chat messages."""
+
+    ids: list[int]
+    prompt_len: int
+    messages: list[dict]
+    tools: list[dict] | None = None
+    steps: list[Step] = field(default_factory=list)
+    done: bool = False
+
+    @classmethod
+    def start(cls, tokenizer, prompt: Any, *, system: str | None = None, tools=None) -> EpisodeState:
+        messages = prompt_messages(prompt, system)
+        ids = encode(tokenizer, render(tokenizer, messages, tools=tools, add_generation_prompt=True))
+        return cls(ids, len(ids), messages, tools)
+
+    @property
+    def last_step(self) -> Step | None:
+        return self.steps[-1] if self.steps else None
+
+    @property
+    def pending_calls(self) -> list[ToolCall]:
+        last = self.last_step
+        return list(last.tool_calls) if last is not None and last.kind == "generate" else []
+
+    def to_rollout(self) -> Rollout:
+        return Rollout(self.ids[: self.prompt_len], list(self.steps), messages=list(self.messages))
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.to_rollout()
+
+
+@dataclass
+class StepResult:
+    """What ``ml.generate_step`` yields: the episode after the step, and the step (None when the
+    episode had already ended, so a fixed unrolled recipe can run past an early final answer)."""
+
+    history: EpisodeState
+    step: Step | None
+
+    @property
+    def tool_requests(self) -> list[ToolCall]:
+        return self.step.tool_requests if self.step is not None else []
+
+    @property
+    def text(self) -> str:
+        return self.step.text if self.step is not None else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.step.token_ids if self.step is not None else []
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.step.logprobs if self.step is not None else []
+
+    @property
+    def done(self) -> bool:
+        return self.history.done
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.history.to_rollout()
+
+
+def _assistant_suffix(tokenizer, messages: list[dict], tools) -> str:
+    """The template text that closes an assistant turn (e.g. '<|im_end|>\\n')."""
+    probe = messages + [{"role": "assistant", "content": _SENTINEL}]
+    return render(tokenizer, probe, tools=tools, add_generation_prompt=False).split(_SENTINEL)[-1]
+
+
+def _as_results(responses: Any, calls: list[ToolCall]) -> list[ToolResult]:
+    if isinstance(responses, dict):
+        responses = responses.get("tool_responses", list(responses.values()))
+    if isinstance(responses, (str, ToolResult)):
+        responses = [responses]
+    out = []
+    for i, r in enumerate(responses or []):
+        if isinstance(r, ToolResult):
+            out.append(r)
+        else:
+            name = calls[i].name if i < len(calls) else "tool"
+            out.append(ToolResult(name=name, content=str(r)))
+    return out
+
+
+def append_tool_results(tokenizer, state: EpisodeState, results: list[ToolResult]) -> EpisodeState:
+    """Close the assistant turn and add the tool turn(s): only the new glue text is tokenized."""
+    last = state.last_step
+    suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
+    eos_text = tokenizer.decode(last.token_ids[-1:]) if last and last.token_ids else ""
+    closing = suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
+    before = render(tokenizer, state.messages, tools=state.tools, add_generation_prompt=False)
+    messages = state.messages + [
+        {"role": "tool", "name": r.name, "content": r.content, "tool_call_id": r.call_id} for r in results
+    ]
+    after = render(tokenizer, messages, tools=state.tools, add_generation_prompt=True)
+    if not after.startswith(before):
+        raise EngineError("the chat template re-renders earlier turns when a tool turn is added; "
+                          "materl needs a prefix-stable template to keep token ids exact")
+    ids = encode(tokenizer, closing + after[len(before):])
+    step = Step("tool", ids, [], text=closing + after[len(before):], tool_results=list(results),
+                latency_s=sum(r.latency_s for r in results),
+                error="; ".join(r.content for r in results if r.is_error) or None,
+                metadata={"tools": [r.name for r in results]})
+    return replace(state, ids=state.ids + ids, messages=messages, steps=state.steps + [step])
+
+
+async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
+                        *, parser: str = "hermes") -> StepResult:
+    from materl.rollout.parsers import TOOL_PARSERS, error_result, stop_strings
+
+    if state.done:
+        return StepResult(state, None)
+    if state.steps:
+        calls = state.pending_calls
+        if not calls:
+            return StepResult(replace(state, done=True), None)
+        results = _as_results(tool_responses, [c for c in calls if c.error is None])
+        results = [error_result(c) for c in calls if c.error is not None] + results
+        state = append_tool_results(tokenizer, state, results)
+    params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(stop_strings(parser)))
+    t0 = time.perf_counter()
+    gen = await engine.generate(state.ids, params)
+    text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    parsed = TOOL_PARSERS.get(parser)(text)
+    step = Step("generate", list(gen.token_ids), list(gen.logprobs), text=text, tool_calls=parsed.calls,
+                finish_reason="tool_call" if parsed.calls else gen.finish_reason,
+                latency_s=time.perf_counter() - t0,
+                error="; ".join(c.error for c in parsed.calls if c.error) or None)
+    messages = state.messages + [{"role": "assistant", "content": text}]
+    done = not parsed.calls or gen.finish_reason == "length"
+    state = replace(state, ids=state.ids + list(gen.token_ids), messages=messages,
+                    steps=state.steps + [step], done=done)
+    return StepResult(state, step)
