@@ -64,7 +64,7 @@ def sampling(rt, node: Node, ep: Episode, turn: int = 0) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=p.get("max_new_tokens", o.max_new_tokens), temperature=p.get("temperature", o.temperature),
         top_p=p.get("top_p", o.top_p), top_k=p.get("top_k", o.top_k), stop_strings=stop,
-        greedy=rt.greedy, seed=(ep.seed * 1009 + turn * 7919) % (2**63 - 1),
+        greedy=rt.greedy or bool(p.get("greedy", False)), seed=(ep.seed * 1009 + turn * 7919) % (2**63 - 1),
     )
 
 

@@ -130,12 +130,13 @@ def advantages_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> 
     mask = pad_rows([r.loss_mask for r in rollouts])
     width = mask.shape[1]
     rewards = to_tensor(inputs[0], len(eps), width=width)
+    n_extra = len(inputs) - 2 - (2 if kl_coef else 0)
+    extra = [to_tensor(v, len(eps), width=width) for v in inputs[2:2 + n_extra]]
     if kl_coef:
-        ref, old = (to_tensor(v, len(eps), width=width) for v in inputs[2:4])
+        ref, old = (to_tensor(v, len(eps), width=width) for v in inputs[2 + n_extra:])
         if rewards.dim() == 1:
             rewards = _outcome_on_last_token(rewards, mask)
         rewards = rewards - kl_coef * kl_penalty(old, ref, estimator=kl) * mask
-    extra = [to_tensor(v, len(eps), width=width) for v in inputs[2:]] if est == "gae" else []
     adv, returns = ADVANTAGES.get(est)(rewards.double(), mask.double(), *[e.double() for e in extra],
                                        group_ids=[ep.group_id for ep in eps], **p)
     return {"advantages": adv.float(), "returns": returns.float()}

@@ -21,12 +21,13 @@ def _given(**kw: Any) -> dict[str, Any]:
 
 def generate(agent, prompts, *, name: str | None = None, max_new_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-             system: str | None = None, stop: list[str] | None = None) -> Value:
-    """Sample one completion per episode from ``agent`` (a single-turn Rollout)."""
+             system: str | None = None, stop: list[str] | None = None, greedy: bool | None = None) -> Value:
+    """Sample one completion per episode from ``agent`` (a single-turn Rollout); ``greedy=True``
+    decodes greedily (ReMax's baseline)."""
     b = active_builder("ml.generate")
     a = b.agent(agent, "ml.generate")
     params = _given(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    system=system, stop=stop)
+                    system=system, stop=stop, greedy=greedy)
     return b.add("generate", [a, prompts], params, scope="episode", name=name,
                  default_name="completions", fixed_scope=True)
 
@@ -86,18 +87,22 @@ def filter_groups(rewards, *, metric: str = "reward", name: str | None = None) -
 
 
 def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: str | None = None,
-               kl_coef: float = 0.0, kl: str = "k1", name: str | None = None, **hparams) -> Value:
+               kl_coef: float = 0.0, kl: str = "k1", baseline=None, completions=None, name: str | None = None,
+               **hparams) -> Value:
     """Advantages from rewards with a registered estimator (default: the recipe's, else grpo).
 
     ``ref_logprobs``/``policy_logprobs`` are read only with ``kl_coef > 0``: the rewards then get a
     per-token KL penalty ``-kl_coef * KL(policy_old || ref)`` first (verl's ``use_kl_in_reward``),
-    which makes the node batch-scope. With ``kl_coef == 0`` they are not dependencies."""
+    which makes the node batch-scope. With ``kl_coef == 0`` they are not dependencies.
+    ``baseline`` is the baseline reward of estimators that take one (ReMax's greedy rollout).
+    ``completions`` gives the token mask; default: the latest generated output."""
     b = active_builder("ml.advantages")
     if estimator is not None:
         from materl.ops.advantages import ADVANTAGES
 
         ADVANTAGES.get(estimator)
-    inputs = [rewards, _scored(b, "ml.advantages")]
+    scored = completions if completions is not None else _scored(b, "ml.advantages")
+    inputs = [rewards, scored] + ([baseline] if baseline is not None else [])
     if kl_coef:
         if ref_logprobs is None or policy_logprobs is None:
             raise RecipeError("ml.advantages(kl_coef>0) needs ref_logprobs and policy_logprobs")

@@ -218,7 +218,7 @@ class Builder:
             return "@" + x.name
         if isinstance(x, RewardExpr):
             x = self.materialize(x)
-        if isinstance(x, Placeholder) and x.node not in self.names():
+        if isinstance(x, Value) and x.node in self.params and x.node not in self.names():
             if x.node in self.agents:
                 raise RecipeError(f"parameter {x.node!r} of recipe {self.name!r} is an agent; it cannot also be data")
             self.nodes.append(Node(x.node, "input", (), {}, "episode"))

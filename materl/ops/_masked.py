@@ -68,11 +68,12 @@ def group_index(
 def group_stats(scores_B: Tensor, index_B: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row group mean, unbiased group std (0 for singleton groups) and group size."""
     ones = torch.ones_like(scores_B)
-    count_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, ones)
-    sum_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, scores_B)
+    index_B = index_B.to(scores_B.device)
+    count_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, ones)
+    sum_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, scores_B)
     mean_G = sum_G / count_G
     dev_B = scores_B - mean_G[index_B]
-    sq_G = torch.zeros(num_groups, dtype=scores_B.dtype).index_add_(0, index_B, dev_B**2)
+    sq_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, dev_B**2)
     std_G = torch.where(count_G > 1, (sq_G / (count_G - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq_G))
     return mean_G[index_B], std_G[index_B], count_G[index_B]
 
