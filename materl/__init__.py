@@ -16,11 +16,12 @@ from materl.graph.trace import Value
 from materl.graph.recipe import algorithm, recipe, replace, transform, with_kl
 from materl.graph.custom import op
 from materl.graph.constructors import (
-    add_loss, advantages, cispo_loss, clip_cov_loss, dpo_loss, filter_groups, gae_advantages, generate,
+    add_loss, advantages, call_tools, cispo_loss, clip_cov_loss, dpo_loss, filter_groups, gae_advantages, generate,
     generate_step, gpg_loss, grpo_loss, gspo_loss, kl_cov_loss, logprobs, policy_loss, ppo_loss,
     reinforce_loss, reward, sapo_loss, set_loss, structure_rollout, value_loss, values,
 )
 from materl.compile.compiled import Compiled, compile  # noqa: A004
+from materl.rollout.mcp import MCPServer, Toolbox, mcp_tools
 try:
     from materl.agent import Agent
 except ImportError:  # TEMP until agent lands

@@ -42,16 +42,17 @@ def _is_agent(x: Any) -> bool:
 
 
 class Compiled:
-    def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions):
+    def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions, *, rollout_only: bool = False):
         self.recipe = recipe
         self.agents = agents
         self.options = options
-        self.plan = make_plan(recipe, agents, options, choose)
+        self.plan = make_plan(recipe, agents, options, choose, rollout_only=rollout_only)
         self.step_count = 0
         self.greedy = False
         self.timings: dict[str, float] = {}
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
+        self._portal = self._portal_cm = None
         self.optimizers = {
             name: torch.optim.AdamW(
                 [p for p in a.parameters() if p.requires_grad],
@@ -69,14 +70,55 @@ class Compiled:
 
     def run(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
         """One training step: rollout, learner, update. Blocking; inside a running event loop use
-        ``await arun(...)``."""
+        ``await arun(...)``. Blocking calls share one background event loop, so tool servers
+        started by the first step stay up for the next ones (``close()`` stops them)."""
+        return self.call_blocking(self.arun, prompts, **columns)
+
+    def call_blocking(self, fn, *args, **kwargs):
         try:
             import sniffio
 
             sniffio.current_async_library()
+            inside = True
         except Exception:
-            return anyio.run(lambda: self.arun(prompts, **columns))
-        raise CompileError("compiled.run() was called inside an event loop; use `await compiled.arun(...)`")
+            inside = False
+        if inside:
+            raise CompileError(f"compiled.{fn.__name__.lstrip('a')}() was called inside an event loop; "
+                               f"use `await compiled.{fn.__name__}(...)`")
+        if self._portal is None:
+            self._portal_cm = anyio.from_thread.start_blocking_portal()
+            self._portal = self._portal_cm.__enter__()
+        return self._portal.call(lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the tool servers this step started and the background event loop."""
+        if self._portal is not None:
+            self._portal.call(self.aclose)
+            self._portal_cm.__exit__(None, None, None)
+            self._portal = self._portal_cm = None
+
+    async def aclose(self) -> None:
+        for toolbox in self._toolboxes():
+            await toolbox.aclose()
+
+    def _toolboxes(self) -> list:
+        found = []
+        for node in self.plan.nodes.values():
+            tb = node.params.get("tools")
+            if hasattr(tb, "start") and hasattr(tb, "execute") and tb not in found:
+                found.append(tb)
+        return found
+
+    async def start_tools(self) -> None:
+        for toolbox in self._toolboxes():
+            await toolbox.start()
+
+    def __del__(self):
+        try:
+            if self._portal is not None:
+                self._portal_cm.__exit__(None, None, None)
+        except Exception:
+            pass
 
     async def arun(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
         self.timings = {}
@@ -89,6 +131,7 @@ class Compiled:
     async def rollout(self, prompts: Sequence[Any] | None = None, *, group_size: int | None = None,
                       greedy: bool = False, **columns: Any) -> list[Episode]:
         """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
+        await self.start_tools()
         episodes = self.make_episodes(prompts, columns, group_size or self.options.group_size)
         self.greedy = greedy
         try:
@@ -210,6 +253,15 @@ class Compiled:
             with torch.no_grad():
                 policy.update(list(ref.model.parameters()), list(src.model.parameters()), step=self.step_count,
                               kl=kl if kl is not None else 0.0)
+
+    def episode_rollout(self, ep: Episode):
+        """The episode's rollout: the value of its last rollout-producing node."""
+        from materl.compile.score_ops import as_rollout
+
+        for name in reversed(self.plan.episode):
+            if self.plan.nodes[name].op in ("structure_rollout", "generate", "generate_step") and name in ep.values:
+                return as_rollout(ep.values[name])
+        return None
 
     def __repr__(self) -> str:
         return f"<compiled {self.recipe.name}: {len(self.plan.order)} nodes, agents {', '.join(self.agents)}>"

@@ -143,7 +143,24 @@ def _check_outputs(node: Node, out):
     return out
 
 
+async def call_tools(rt, node: Node, ep: Episode, step) -> list:
+    import anyio
+
+    toolbox = node.params["tools"]
+    calls = step.tool_requests if isinstance(step, StepResult) else list(step or [])
+    results: list = [None] * len(calls)
+
+    async def one(i, call):
+        results[i] = await toolbox.execute(call, episode_id=f"{rt.step_count}-{ep.index}")
+
+    async with anyio.create_task_group() as tg:
+        for i, call in enumerate(calls):
+            tg.start_soon(one, i, call)
+    return results
+
+
 register("generate", "engine", episode=generate)
+register("call_tools", "mcp", episode=call_tools)
 register("generate_step", "engine", episode=generate_step_impl)
 register("structure_rollout", "python", episode=structure_rollout)
 register("call", "python", episode=call_episode, batch=call_group)

@@ -195,7 +195,7 @@ class Learner:
         out = {}
         for key, sb in self.seq.items():
             m = sb.mask[rows]
-            out[key[1]] = {"tokens": float(m.sum()), "seqs": float(len(rows))}
+            out[key[1]] = {"tokens": float(m.sum()), "seqs": float((m.sum(-1) > 0).sum())}
         return out
 
 

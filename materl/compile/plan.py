@@ -78,7 +78,7 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for) -> Plan:
+def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *, rollout_only: bool = False) -> Plan:
     problems = recipe.lint()
     if problems:
         raise CompileError("; ".join(problems))
@@ -91,10 +91,10 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for) -
     if unknown:
         raise CompileError(f"compile: {recipe.where} has no agent parameter(s) {', '.join(unknown)}; "
                            f"agents: {', '.join(recipe.agents)}")
-    if not recipe.losses:
+    if not recipe.losses and not rollout_only:
         raise CompileError(f"compile: {recipe.where} sets no loss; call ml.set_loss(...) in the recipe")
     nodes = _resolve_defaults(recipe, options)
-    keep = _needed(recipe, nodes)
+    keep = set(nodes) if rollout_only else _needed(recipe, nodes)
     order = [n for n in topo_order(recipe) if n in keep]
     plan = Plan(recipe, options, nodes, order, pruned=[n.name for n in recipe.nodes if n.name not in keep])
     _partition(plan, agents)

@@ -156,9 +156,9 @@ def policy_loss(advantages, logprobs, ref_logprobs=None, *, loss: str = "ppo_cli
     if kl_coef and ref_logprobs is None:
         raise RecipeError(f"policy loss {loss!r} has kl_coef={kl_coef} but no ref_logprobs")
     if kl is not None:
-        from materl.ops.kl import KL_ESTIMATORS
+        from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
 
-        KL_ESTIMATORS.get(kl)
+        KL_ESTIMATORS.get(KL_ALIASES.get(kl, kl))
     b = active_builder("ml.policy_loss")
     inputs = [advantages, logprobs] + ([ref_logprobs] if ref_logprobs is not None else [])
     params = {"loss": loss, "agg": agg, **hparams}
@@ -187,7 +187,7 @@ gspo_loss = _loss_constructor("gspo", "GSPO: sequence-level importance ratio.", 
 cispo_loss = _loss_constructor("cispo", "CISPO (MiniMax-M1): clipped, stop-gradient IS weights.")
 reinforce_loss = _loss_constructor("reinforce", "REINFORCE: -A * log pi.")
 gpg_loss = _loss_constructor("gpg", "GPG: -A * log pi with GPG's rescaled advantages.")
-sapo_loss = _loss_constructor("sapo", "SAPO: soft, sigmoid-gated ratio.")
+sapo_loss = _loss_constructor("sapo", "SAPO: soft, sigmoid-gated ratio.", agg="seq_mean_token_mean")
 clip_cov_loss = _loss_constructor("clip_cov", "Clip-Cov: detach high-covariance tokens.")
 kl_cov_loss = _loss_constructor("kl_cov", "KL-Cov: KL penalty on high-covariance tokens.")
 
@@ -224,3 +224,13 @@ def add_loss(value, weight: float = 1.0) -> None:
     """Add a weighted loss term; the learner minimises the weighted sum."""
     b = active_builder("ml.add_loss")
     b.losses.append((b.ref(value), float(weight)))
+
+
+def call_tools(step, *, tools, name: str | None = None) -> Value:
+    """Run every tool call requested by a generate step through a Toolbox (``ml.mcp_tools``),
+    concurrently; the result is the list of ToolResults for the next ``generate_step``. Failures
+    (unknown tool, bad arguments, timeouts, crashed servers) are tool results with an error, never
+    exceptions."""
+    b = active_builder("ml.call_tools")
+    return b.add("call_tools", [step], {"tools": tools}, scope="episode", name=name, default_name="tool_results",
+                 fixed_scope=True)

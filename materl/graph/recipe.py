@@ -68,9 +68,9 @@ def replace(base: Recipe, node: str, new: Callable[[Graph], Value], *, name: str
 def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, name: str | None = None) -> Recipe:
     """Add (or change) a KL penalty ``coef * agg(KL_estimator(policy || ref))`` on every policy
     loss. Each loss must already read reference log-probs."""
-    from materl.ops.kl import KL_ESTIMATORS
+    from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
 
-    KL_ESTIMATORS.get(estimator)
+    KL_ESTIMATORS.get(KL_ALIASES.get(estimator, estimator))
     losses = [n for n in base.nodes if n.op == "policy_loss"]
     if not losses:
         raise RecipeError(f"with_kl: {base.where} has no policy_loss node; nodes: "

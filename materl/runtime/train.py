@@ -1,0 +1,110 @@
+"""``ml.train``: the loop around a compiled algorithm — data, LR schedule, evaluation,
+checkpoints (atomic, resumable bit-identically on CPU), logging.
+
+    step = ml.compile(recipe, policy=policy, ref_policy=ref, group_size=4, lr=1e-5)
+    ml.train(step, rows, steps=50, batch_size=4, eval_dataset=held_out, eval_every=10,
+             save_every=10, run_dir="runs/demo")
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from materl.errors import ConfigError
+from materl.runtime.data import Sampler, load_rows, split_columns
+
+
+def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
+    if schedule not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"lr_schedule={schedule!r}; accepted: constant, linear, cosine")
+
+    def factor(step: int) -> float:
+        if warmup_steps and step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))
+        return 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def run_step(compiled, rows: list[dict]) -> dict[str, float]:
+    inputs = [n.name for n in compiled.recipe.nodes if n.op == "input"]
+    if inputs == ["prompts"]:
+        prompts, columns = split_columns(rows)
+        return compiled.run(prompts, **columns)
+    return compiled.run(**{inputs[0]: rows})
+
+
+def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_dataset: Any = None,
+          eval_every: int = 0, save_every: int = 0, keep_last: int = 3, run_dir: str | Path = "runs/materl",
+          resume: str | Path | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
+          seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
+          tensorboard: bool | None = None, config: dict | None = None, on_step=None) -> dict[str, Any]:
+    """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
+    history, evaluations and the last checkpoint path."""
+    from materl.runtime.checkpoint import load_checkpoint, restore, save_checkpoint
+    from materl.runtime.evaluate import evaluate_compiled
+    from materl.runtime.logging import RunLogger, format_episode
+
+    if steps < 1 or batch_size < 1:
+        raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
+    run_dir = Path(run_dir)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    sampler = Sampler(load_rows(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle)
+    eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
+    schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
+                                                                          warmup_steps=warmup_steps))
+                  for name, opt in compiled.optimizers.items()}
+    start = 0
+    if resume:
+        ckpt = load_checkpoint(resume)
+        restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=schedulers)
+        sampler.load_state_dict(ckpt.data_state["sampler"])
+        compiled.step_count = start = int(ckpt.step)
+    logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard)
+    history, evals, last_ckpt = [], [], None
+
+    def evaluate(step: int) -> None:
+        if eval_rows is not None:
+            result = evaluate_compiled(compiled, eval_rows)
+            evals.append({"step": step, **result})
+            logger.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+
+    try:
+        if eval_every and start == 0:
+            evaluate(0)
+        for step in range(start + 1, steps + 1):
+            t0 = time.perf_counter()
+            metrics = run_step(compiled, sampler.next_batch())
+            for s in schedulers.values():
+                s.step()
+            metrics["lr"] = next(iter(schedulers.values())).get_last_lr()[0] if schedulers else 0.0
+            metrics["time/wall"] = time.perf_counter() - t0
+            history.append({"step": step, **metrics})
+            logger.log(step, metrics)
+            if samples_every and step % samples_every == 0:
+                tok = next(iter(compiled.agents.values())).tokenizer
+                logger.log_samples(step, [format_episode(compiled.episode_rollout(e), tok) for e in compiled.last_episodes[:4]])
+            if on_step is not None:
+                on_step(step, metrics)
+            if eval_every and step % eval_every == 0:
+                evaluate(step)
+            if (save_every and step % save_every == 0) or step == steps:
+                last_ckpt = save_checkpoint(run_dir, step, agents=compiled.agents, optimizers=compiled.optimizers,
+                                            schedulers=schedulers, data_state={"sampler": sampler.state_dict()},
+                                            config=config, metrics=metrics, keep_last=keep_last)
+        if eval_every and steps % eval_every:
+            evaluate(steps)
+    finally:
+        logger.close()
+    return {"history": history, "evals": evals, "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "run_dir": str(run_dir)}
