@@ -22,9 +22,6 @@ from materl.graph.constructors import (
 )
 from materl.compile.compiled import Compiled, compile  # noqa: A004
 from materl.rollout.mcp import MCPServer, Toolbox, mcp_tools
-try:
-    from materl.agent import Agent
-except ImportError:  # TEMP until agent lands
-    pass
+from materl.agent import Agent
 
 __version__ = "0.1.0"

@@ -206,16 +206,8 @@ class Compiled:
         for k in comps:
             vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
             m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
-        rollouts = [e.values[n] for e in ok for n in self.plan.episode[-1:] if n in e.values]
-        from materl.compile.score_ops import as_rollout
-
-        tokens = 0
-        for r in rollouts:
-            try:
-                tokens += sum(as_rollout(r).loss_mask)
-            except Exception:
-                pass
-        m["tokens"] = float(tokens)
+        rollouts = [r for r in (self.episode_rollout(e) for e in ok) if r is not None]
+        m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
         for e in episodes:
             for k, v in e.timings.items():
                 m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

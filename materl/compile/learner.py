@@ -269,3 +269,15 @@ def preference_loss_fn(learner: Learner, node: Node, sub, idx, get, denoms):
 
 
 LOSS_FNS = {"policy_loss": policy_loss_fn, "value_loss": value_loss_fn, "preference_loss": preference_loss_fn}
+
+
+def _register_learner_ops() -> None:
+    from materl.compile.impls import register
+
+    register("logprobs", "torch-chunked")  # hidden states -> LM head in row chunks (ops.logprobs)
+    register("values", "torch")
+    for op in LOSS_FNS:
+        register(op, "torch")
+
+
+_register_learner_ops()

@@ -64,7 +64,7 @@ class Plan:
                 extra = " (live)" if name in self.live else ""
                 lines.append(f"    {self.nodes[name]}  <- {self.impls.get(name, 'python')}{extra}")
         if self.recipe.losses:
-            terms = " + ".join(f"{w:g} * %{ref}" for ref, w in self.recipe.losses)
+            terms = " + ".join(f"{w:g} * %{ref}" if w != 1 else f"%{ref}" for ref, w in self.recipe.losses)
             lines.append(f"  loss = {terms}")
         for group in self.fused:
             lines.append(f"  fused: {' + '.join(group)} (one kernel call per batch)")
