@@ -131,7 +131,9 @@ def _group_stats(scores_B: Tensor, index_B: Tensor, num_groups: int) -> tuple[Te
     return tuple(t.to(scores_B.device) for t in stats)
 
 
-def _group_mean_verl(scores_B: Tensor, group_ids: GroupIds, group_size: int | None, op: str) -> tuple[Tensor, Tensor, Tensor]:
+def _group_mean_verl(
+    scores_B: Tensor, group_ids: GroupIds, group_size: int | None, op: str
+) -> tuple[Tensor, Tensor, Tensor]:
     """verl's group mean/std: a singleton group gets mean 0 and std 1. Returns (mean, std, count)."""
     index, num_groups = _groups(op, scores_B.shape[0], group_ids, group_size)
     mean, std, count = _group_stats(scores_B, index, num_groups)
@@ -261,8 +263,8 @@ def rloo(
     tok, mask_f, scores = _prepare("rloo", rewards, mask)
     index, num_groups = _groups("rloo", scores.shape[0], group_ids, group_size)
     mean, _, count = _group_stats(scores, index, num_groups)
-    loo = (mean * count - scores) / (count - 1).clamp(min=1)
-    baseline = torch.where(count > 1, loo, torch.zeros_like(loo))
+    # leave-one-out mean of the others; a singleton's is (S - S) / 1 = 0, verl's convention
+    baseline = (mean * count - scores) / (count - 1).clamp(min=1)
     adv = _relative(tok, mask_f, baseline)
     return adv, adv
 

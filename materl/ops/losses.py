@@ -164,7 +164,8 @@ def reinforce(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 
         w = sg(min(pi/pi_old, is_threshold))    is_level="token":    per token
                                                 is_level="sequence": prod over the row's tokens
-                                                is_level="none":     w = 1 (plain -A logp)
+                                                is_level="none":     w = 1 (plain -A logp;
+                                                                     is_threshold ignored)
         l = -A w logp
 
     ``old_logp`` is the behaviour (rollout) policy. verl: ``compute_policy_loss_reinforce`` with
@@ -182,8 +183,9 @@ def reinforce(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
         log_ratio = (log_ratio * m).sum(-1, keepdim=True).expand_as(logp)
     raw = torch.exp(log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
     if is_level == "none":
-        raw = torch.ones_like(raw)
-    weight = raw if is_threshold is None else raw.clamp(max=is_threshold)
+        raw = weight = torch.ones_like(raw)
+    else:
+        weight = raw if is_threshold is None else raw.clamp(max=is_threshold)
     loss = -advantages * weight * logp
     return _finish(loss, m, logp, old_logp, _ratio(logp, old_logp), clipfrac=weight != raw)
 

@@ -1,5 +1,6 @@
-"""The built-in rewards, registered in ``REWARDS`` by name. Each is a plain reward function
-(keywords from the batch, hyperparameters as keywords) returning one float per completion.
+"""The built-in rewards, registered in ``REWARDS`` by name, and the vector-reward aggregators,
+registered in ``REWARD_AGGREGATORS``. Each reward is a plain reward function (keywords from the
+batch, hyperparameters as keywords) returning one float per completion.
 
 ``repetition`` and ``diversity`` are defined exactly (which n-grams, which denominator, what an
 empty completion gets) so that a Mojo kernel reproduces them bit for bit: both are a ratio of two
@@ -14,8 +15,12 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch import Tensor
+
 from materl.errors import ConfigError, RewardError, ShapeError
-from materl.ops.rewards import REWARDS
+from materl.ops._masked import group_index
+from materl.ops.rewards import REWARD_AGGREGATORS, REWARDS
 
 if TYPE_CHECKING:
     from materl.rollout.types import Rollout
@@ -40,8 +45,8 @@ def _need_rollouts(reward: str, rollouts: Sequence[Rollout] | None) -> Sequence[
 
 
 @REWARDS.register("length")
-def length(*, completion_ids: Sequence[Sequence[int]], target: int | None = None,
-           range: tuple[int, int] | None = None, scale: float | None = None, **kwargs: Any) -> list[float]:  # noqa: A002
+def length(*, completion_ids: Sequence[Sequence[int]], target: int | None = None,  # noqa: A002 (range=)
+           range: tuple[int, int] | None = None, scale: float | None = None, **kwargs: Any) -> list[float]:
     """1 inside the target length, decreasing linearly to 0 with the distance from it.
 
     With L_i = len(completion_ids[i]) tokens and the interval [lo, hi] (``range=(lo, hi)``, or
@@ -230,3 +235,72 @@ def tool_success(*, rollouts: Sequence[Rollout] | None, **kwargs: Any) -> list[f
         results = r.tool_results
         out.append(sum(not res.is_error for res in results) / len(results) if results else 0.0)
     return out
+
+
+# ----------------------------------------------------------------------------- aggregators
+
+
+@REWARDS.register("step_rewards")
+def step_rewards(*, rollouts: Sequence[Rollout], **_: Any) -> list[list[float]]:
+    """Token-level: each step's own reward (``Step.reward``, e.g. set by an environment) on the
+    last token of that step, 0 elsewhere; aligned with ``rollout.completion_ids``."""
+    return [r.step_rewards() for r in rollouts]
+
+
+@REWARD_AGGREGATORS.register("weighted_sum")
+def weighted_sum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
+    """``sum_k scores_K_B[k]`` (members carry their weights). (K, B) -> (B,)."""
+    return scores_K_B.sum(0)
+
+
+@REWARD_AGGREGATORS.register("mean")
+def mean(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
+    """``mean_k scores_K_B[k]``. (K, B) -> (B,)."""
+    return scores_K_B.mean(0)
+
+
+@REWARD_AGGREGATORS.register("min")
+def minimum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
+    """``min_k scores_K_B[k]``: a completion is as good as its worst objective. (K, B) -> (B,)."""
+    return scores_K_B.amin(0)
+
+
+@REWARD_AGGREGATORS.register("max")
+def maximum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
+    """``max_k scores_K_B[k]``. (K, B) -> (B,)."""
+    return scores_K_B.amax(0)
+
+
+def pareto_rank(scores_K_B: Tensor, *, group_ids: Sequence[Any] | Tensor) -> Tensor:
+    """Non-dominated sorting rank of every completion within its group (all objectives maximised).
+
+    i dominates j when ``s[:, i] >= s[:, j]`` everywhere and ``>`` somewhere. Rank 0 is the set of
+    rows no other row of the group dominates; rank r is the non-dominated set once ranks < r are
+    removed (NSGA-II, Deb et al. 2002). Equal vectors share a rank. (K, B) -> long (B,).
+    No verl/TRL counterpart.
+    """
+    if group_ids is None:
+        raise ShapeError("pareto ranking is done within groups and needs group_ids (one per completion), got None")
+    index_B, num_groups = group_index(scores_K_B.shape[1], group_ids=group_ids)
+    rank_B = torch.zeros(scores_K_B.shape[1], dtype=torch.long)
+    for g in range(num_groups):
+        rows = (index_B == g).nonzero().squeeze(1)
+        s = scores_K_B[:, rows]
+        dominates = (s[:, :, None] >= s[:, None, :]).all(0) & (s[:, :, None] > s[:, None, :]).any(0)
+        remaining = torch.ones(len(rows), dtype=torch.bool)
+        level = 0
+        while remaining.any():
+            dominated = (dominates & remaining[:, None]).any(0)
+            front = remaining & ~dominated
+            rank_B[rows[front]] = level
+            remaining &= ~front
+            level += 1
+    return rank_B
+
+
+@REWARD_AGGREGATORS.register("pareto")
+def pareto(scores_K_B: Tensor, *, group_ids: Sequence[Any] | Tensor | None = None) -> Tensor:
+    """``-pareto_rank``: 0 for a group's non-dominated completions, -1 for the next front, ...
+    Unnormalised so a rank costs the same in every group; group-normalised advantages (GRPO)
+    rescale it anyway. (K, B) -> float32 (B,)."""
+    return (-pareto_rank(scores_K_B, group_ids=group_ids)).to(torch.float32)  # long negation: no -0.0

@@ -33,6 +33,7 @@ import asyncio
 import dataclasses
 import difflib
 import inspect
+import math
 import numbers
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +47,6 @@ import torch
 from torch import Tensor
 
 from materl.errors import ConfigError, MaterlError, RewardError, ShapeError
-from materl.ops._masked import group_index
 from materl.registry import Registry
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
@@ -55,6 +55,7 @@ REWARD_AGGREGATORS: Registry[Callable[..., Tensor]] = Registry("reward_aggregato
 #: Keywords every reward function may receive from the batch (besides dataset columns).
 BATCH_KEYS = ("completions", "prompts", "completion_ids", "rollouts")
 
+_INT_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _repr = reprlib.Repr()
 _repr.maxlist, _repr.maxtuple, _repr.maxstring, _repr.maxother = 8, 8, 60, 80
 _short = _repr.repr
@@ -125,12 +126,11 @@ def _token_rows(name: str, out: Sequence[Sequence[Any]], info: _BatchInfo) -> Te
 
 
 def _check_tensor(name: str, t: Tensor, info: _BatchInfo) -> Tensor:
-    if t.is_complex() or not (t.is_floating_point() or t.dtype in (torch.bool, torch.int8, torch.int16, torch.int32,
-                                                                   torch.int64, torch.uint8)):
+    if t.is_complex() or not (t.is_floating_point() or t.dtype in _INT_DTYPES):
         raise RewardError(f"reward {name!r} returned a tensor of dtype {t.dtype}; expected real numbers")
     t = t.detach().to(device="cpu", dtype=torch.float32)
     if t.dim() == 1 and t.shape[0] != info.size:
-        raise RewardError(f"reward {name!r} returned {t.shape[0]} values for a batch of {info.size}: {_short(t.tolist())}")
+        raise RewardError(f"reward {name!r} returned {len(t)} values for a batch of {info.size}: {_short(t.tolist())}")
     if t.dim() == 2:
         if info.lengths is None:
             raise RewardError(
@@ -156,7 +156,7 @@ def _length_mask(info: _BatchInfo) -> Tensor:
     return (torch.arange(info.width)[None, :] < lengths[:, None]).float()
 
 
-def as_scores(name: str, out: Any, info: _BatchInfo) -> Tensor:
+def _as_scores(name: str, out: Any, info: _BatchInfo) -> Tensor:
     """Validate what reward ``name`` returned and convert it to float32 (B,) or (B, T) on CPU.
 
     Accepts B numbers (list/tuple/tensor/array), a (B, T) tensor with T the longest completion
@@ -172,7 +172,6 @@ def as_scores(name: str, out: Any, info: _BatchInfo) -> Tensor:
             t = _token_rows(name, out, info)
         else:
             t = torch.tensor([_as_number(name, i, x, out) for i, x in enumerate(out)], dtype=torch.float64).float()
-            t = t.reshape(info.size)
     elif isinstance(out, Tensor):
         t = _check_tensor(name, out, info)
     elif hasattr(out, "__array__") and not isinstance(out, (str, bytes)):
@@ -215,7 +214,8 @@ def _check_params(name: str, fn: Callable[..., Any], params: Mapping[str, Any]) 
             close = difflib.get_close_matches(key, named, n=1, cutoff=0.5)
             hint = f". Did you mean {close[0]!r}?" if close else ""
             raise ConfigError(
-                f"reward {name!r} has no parameter {key!r} (valid: {', '.join(named) or 'none'}){hint}"
+                f"reward {name!r} has no parameter {key!r} (valid: {', '.join(named) or 'none'}){hint} "
+                f"(a bound parameter must be a named keyword parameter of the function)"
             )
 
 
@@ -243,7 +243,7 @@ async def _call(reward: Reward, batch: Mapping[str, Any], info: _BatchInfo) -> T
         raise
     except Exception as e:
         raise RewardError(f"reward {reward.name!r} raised {type(e).__name__}: {e}") from e
-    return as_scores(reward.name, out, info)
+    return _as_scores(reward.name, out, info)
 
 
 async def _gather(thunks: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -366,7 +366,7 @@ def _terms(x: Any) -> tuple[Reward | VectorReward, ...]:
 
 
 def _check_weight(owner: str, weight: Any) -> float:
-    if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not torch.isfinite(torch.tensor(float(weight))):
+    if not isinstance(weight, numbers.Real) or isinstance(weight, bool) or not math.isfinite(weight):
         raise ConfigError(f"reward {owner!r}: weight must be a finite number, got {weight!r}")
     return float(weight)
 
@@ -491,7 +491,7 @@ class VectorReward(_Arithmetic):
                     f"VectorReward {self.name!r}: member {m.name!r} returned token-level scores of shape "
                     f"{list(r.total.shape)}; members must give one score per completion"
                 )
-        scores_K_B = torch.stack([r.total for r in results]) if info.size else torch.zeros(len(results), 0)
+        scores_K_B = torch.stack([r.total for r in results])
         try:
             out = REWARD_AGGREGATORS.get(self.aggregate)(scores_K_B, group_ids=batch.get(self.group_ids))
         except MaterlError as e:
@@ -499,73 +499,12 @@ class VectorReward(_Arithmetic):
                 f"VectorReward {self.name!r} (aggregate={self.aggregate!r}): {e}; group ids are read from the "
                 f"batch column {self.group_ids!r}; batch keys: {', '.join(sorted(batch))}"
             ) from e
-        aggregated = as_scores(self.name, out, info)
+        aggregated = _as_scores(self.name, out, info)
         return RewardScores(aggregated * self.weight, _merge([r.components for r in results]))
 
     def __repr__(self) -> str:
         return f"VectorReward({self.name!r}, weight={self.weight:g})"
 
 
-# ----------------------------------------------------------------------------- aggregators
-
-
-@REWARD_AGGREGATORS.register("weighted_sum")
-def weighted_sum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
-    """``sum_k scores_K_B[k]`` (members carry their weights). (K, B) -> (B,)."""
-    return scores_K_B.sum(0)
-
-
-@REWARD_AGGREGATORS.register("mean")
-def mean(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
-    """``mean_k scores_K_B[k]``. (K, B) -> (B,)."""
-    return scores_K_B.mean(0)
-
-
-@REWARD_AGGREGATORS.register("min")
-def minimum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
-    """``min_k scores_K_B[k]``: a completion is as good as its worst objective. (K, B) -> (B,)."""
-    return scores_K_B.amin(0)
-
-
-@REWARD_AGGREGATORS.register("max")
-def maximum(scores_K_B: Tensor, *, group_ids: Any = None) -> Tensor:
-    """``max_k scores_K_B[k]``. (K, B) -> (B,)."""
-    return scores_K_B.amax(0)
-
-
-def pareto_rank(scores_K_B: Tensor, *, group_ids: Sequence[Any] | Tensor) -> Tensor:
-    """Non-dominated sorting rank of every completion within its group (all objectives maximised).
-
-    i dominates j when ``s[:, i] >= s[:, j]`` everywhere and ``>`` somewhere. Rank 0 is the set of
-    rows no other row of the group dominates; rank r is the non-dominated set once ranks < r are
-    removed (NSGA-II, Deb et al. 2002). Equal vectors share a rank. (K, B) -> long (B,).
-    No verl/TRL counterpart.
-    """
-    if group_ids is None:
-        raise ShapeError("pareto ranking is done within groups and needs group_ids (one per completion), got None")
-    index_B, num_groups = group_index(scores_K_B.shape[1], group_ids=group_ids)
-    rank_B = torch.zeros(scores_K_B.shape[1], dtype=torch.long)
-    for g in range(num_groups):
-        rows = (index_B == g).nonzero().squeeze(1)
-        s = scores_K_B[:, rows]
-        dominates = (s[:, :, None] >= s[:, None, :]).all(0) & (s[:, :, None] > s[:, None, :]).any(0)
-        remaining = torch.ones(len(rows), dtype=torch.bool)
-        level = 0
-        while remaining.any():
-            dominated = (dominates & remaining[:, None]).any(0)
-            front = remaining & ~dominated
-            rank_B[rows[front]] = level
-            remaining &= ~front
-            level += 1
-    return rank_B
-
-
-@REWARD_AGGREGATORS.register("pareto")
-def pareto(scores_K_B: Tensor, *, group_ids: Sequence[Any] | Tensor | None = None) -> Tensor:
-    """``-pareto_rank``: 0 for a group's non-dominated completions, -1 for the next front, ...
-    Unnormalised so a rank costs the same in every group; group-normalised advantages (GRPO)
-    rescale it anyway. (K, B) -> float32 (B,)."""
-    return -pareto_rank(scores_K_B, group_ids=group_ids).to(torch.float32)
-
-
-from materl.ops import reward_builtins as _reward_builtins  # noqa: E402,F401  (registers the built-ins)
+# the built-in rewards and aggregators register themselves into REWARDS / REWARD_AGGREGATORS
+from materl.ops import reward_builtins as _reward_builtins  # noqa: E402,F401

@@ -219,6 +219,20 @@ def test_gae_hand_numbers():
     close(ret, torch.tensor([[0.15625, 0.375, 1.0, 0.0]], dtype=F64), 1e-12)
 
 
+def test_gae_credits_a_tool_token_reward_to_the_action_before_it():
+    # mask [1, 0, 1]: token 1 is tool output carrying reward 2; reward 1 on token 2; V = [0.5, 9, 0.25]
+    # materl moves the 2 onto token 0: delta2 = 1 - 0.25 = 0.75 = A2; token 1 skipped;
+    # delta0 = 2 + 0.25 - 0.5 = 1.75, A0 = 1.75 + 0.75 = 2.5 (= total return 3 - V0); returns [3, 0, 1].
+    # verl drops the 2 (its delta at a mask-0 token is discarded): A0 = -0.25 + 0.75 = 0.5.
+    tlr, mask = torch.tensor([[0.0, 2.0, 1.0]], dtype=F64), torch.tensor([[1.0, 0.0, 1.0]], dtype=F64)
+    values = torch.tensor([[0.5, 9.0, 0.25]], dtype=F64)
+    adv, ret = gae(tlr, mask, values, whiten=False)
+    close(adv, torch.tensor([[2.5, 0.0, 0.75]], dtype=F64), 1e-12)
+    close(ret, torch.tensor([[3.0, 0.0, 1.0]], dtype=F64), 1e-12)
+    _, verl_ret = v_gae(tlr, values, mask, 1.0, 1.0)
+    assert verl_ret[0, 0] - values[0, 0] == 0.5
+
+
 def test_discounted_returns_hand_numbers():
     # gamma 0.5, rewards [1, 0, 2 | pad]: G2 = 2, G1 = 0 + 0.5*2 = 1, G0 = 1 + 0.5*1 = 1.5
     out = discounted_returns(torch.tensor([[1.0, 0.0, 2.0, 0.0]], dtype=F64), torch.tensor([[1, 1, 1, 0]]), gamma=0.5)

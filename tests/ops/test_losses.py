@@ -237,7 +237,7 @@ def test_reinforce_truncated_weights_token_and_sequence():
     torch.testing.assert_close(_grad(tok.sum(), logp), t([-2.0, -math.exp(0.1)]))  # w is stop-grad
     seq, _ = POLICY_LOSSES.get("reinforce")(logp, old, adv, mask, is_level="sequence")
     torch.testing.assert_close(seq, t([2.0, 2.0]))
-    plain, _ = POLICY_LOSSES.get("reinforce")(logp, old, adv, mask, is_level="none")
+    plain, _ = POLICY_LOSSES.get("reinforce")(logp, old, adv, mask, is_level="none", is_threshold=0.5)
     torch.testing.assert_close(plain, t([1.0, 1.0]))
 
 

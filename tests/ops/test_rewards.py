@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import anyio
 import numpy as np
@@ -10,8 +11,8 @@ import pytest
 import torch
 
 from materl.errors import ConfigError, RewardError, ShapeError, UnknownNameError
-from materl.ops.reward_builtins import distinct_ngram_fraction, repeated_ngram_fraction
-from materl.ops.rewards import REWARD_AGGREGATORS, REWARDS, Reward, RewardSum, VectorReward, pareto_rank
+from materl.ops.reward_builtins import distinct_ngram_fraction, pareto_rank, repeated_ngram_fraction
+from materl.ops.rewards import REWARD_AGGREGATORS, REWARDS, Reward, RewardSum, VectorReward
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
 
 
@@ -98,6 +99,16 @@ def test_math_answer_latex_and_numbers():
         r"\boxed{7} but maybe 8",      # boxed answer is tried first
     ]
     close(Reward.from_spec("math_answer").score(**batch(texts, answer=gold)), [1, 1, 1, 0, 1, 0, 1])
+
+
+def test_math_answer_off_the_main_thread():
+    # SIGALRM timeouts only work on the main thread; elsewhere math_answer runs without one
+    out = []
+    worker = threading.Thread(target=lambda: out.append(
+        Reward.from_spec("math_answer").score(completions=[r"$\boxed{\frac{3}{6}}$", "0.4"], answer=["0.5", "0.5"])))
+    worker.start()
+    worker.join()
+    close(out[0], [1, 0])  # 3/6 == 0.5; 0.4 != 0.5
 
 
 def test_repetition_and_diversity_definitions():
