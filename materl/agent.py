@@ -1,0 +1,225 @@
+"""An Agent is a model + tokenizer + generation engine, trainable or frozen.
+
+    policy = ml.Agent("smollm2-135m-instruct", trainable=True)
+    ref = ml.Agent("smollm2-135m-instruct")                              # frozen, own weights
+    critic = ml.Agent("smollm2-135m-instruct", head="value", trainable=True)
+    lora_policy = ml.Agent("tiny-random", trainable=True, lora=dict(r=8))
+    remote = ml.Agent("smollm2-135m-instruct", trainable=True, engine="sglang",
+                      engine_options=dict(url="http://localhost:30000"))
+
+Weights load lazily, on first use of ``.model``/``.tokenizer``/``.engine`` (so building a recipe
+with three agents costs nothing until it runs). Every Agent loads its own copy: two Agents of the
+same name never share tensors. The learner talks to an Agent through a few methods:
+``hidden_states`` (B, L, H) and ``output_embedding`` (the LM head) for fused log-prob kernels,
+``values`` (B, L) for critics, ``parameters`` (those that require grad), ``state_dict`` /
+``load_state_dict``, and ``copy`` for a frozen reference snapshot.
+(TRL: ``model`` + ``ref_model`` + ``processing_class`` + vLLM client; verl: actor/ref/critic
+worker groups + rollout worker.)
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import materl.engines.sglang_engine  # noqa: F401  (registers "sglang")
+import materl.engines.transformers_engine  # noqa: F401  (registers "transformers")
+from materl.engines import models as _models
+from materl.engines.base import ENGINES
+from materl.errors import ConfigError
+
+
+class Agent:
+    """A model, its tokenizer and a generation engine; see the module docstring."""
+
+    def __init__(
+        self,
+        model: str | os.PathLike | nn.Module,
+        trainable: bool = False,
+        engine: str = "transformers",
+        head: str | None = None,
+        lora: Mapping[str, Any] | None = None,
+        dtype: torch.dtype = torch.float32,
+        engine_options: Mapping[str, Any] | None = None,
+        *,
+        tokenizer=None,
+        name: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        **options: Any,
+    ):
+        """``model``: a named model (``materl.engines.models.NAMED_MODELS``), an HF-format folder,
+        or an already-built ``nn.Module`` (then pass ``tokenizer=``). Other keywords (e.g.
+        ``lr=1e-6``) are kept in ``agent.options`` for the learner."""
+        ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
+        if head is not None and head not in _models.HEADS:
+            raise ConfigError(f"unknown head {head!r}; valid: {', '.join(_models.HEADS)} or None")
+        self.lora = _models.lora_options(lora) if lora is not None else None
+        self.trainable = bool(trainable)
+        self.engine_name = engine
+        self.head = head
+        self.dtype = dtype
+        self.engine_options = dict(engine_options or {})
+        self.cache_dir = cache_dir
+        self.options = options
+        self._model: nn.Module | None = None
+        self._tokenizer = tokenizer
+        self._engine = None
+        if isinstance(model, nn.Module):
+            if tokenizer is None:
+                raise ConfigError("Agent(model=<nn.Module>) needs tokenizer=; got tokenizer=None")
+            if lora is not None or head is not None:
+                raise ConfigError("head=/lora= apply when loading by name or path; wrap a module yourself")
+            self.source = None
+            self.name = name or type(model).__name__
+            self._adopt(model)
+        else:
+            self.source = str(model)
+            self.name = name or self.source
+
+    # -- lazy parts ------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        if self._model is None:
+            model, tokenizer = _models.load_model(
+                self.source, head=self.head, lora=self.lora, dtype=self.dtype, cache_dir=self.cache_dir
+            )
+            self._tokenizer = tokenizer
+            self._adopt(model)
+        return self._model
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self.model  # noqa: B018 - loads both
+        return self._tokenizer
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            cls = ENGINES.get(self.engine_name)
+            try:
+                self._engine = cls.for_agent(self, **self.engine_options)
+            except TypeError as exc:
+                raise ConfigError(f"bad engine_options {sorted(self.engine_options)} for engine "
+                                  f"{self.engine_name!r}: {exc}") from exc
+        return self._engine
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def _adopt(self, model: nn.Module) -> None:
+        """Freeze a reference model, or make a trainable one train (LoRA: adapters only)."""
+        if self.trainable:
+            if self.lora is None:
+                model.requires_grad_(True)
+            elif hasattr(model, "v_head"):
+                model.v_head.requires_grad_(True)
+            model.train()
+        else:
+            model.requires_grad_(False)
+            model.eval()
+        self._model = model
+
+    # -- what the learner uses -------------------------------------------------------------
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Last hidden layer of the backbone (after the final norm), (B, L, H).
+
+        logits = hidden @ W.T (+ b) with ``W, b = output_embedding()``; positions are
+        ``cumsum(mask) - 1`` so left- and right-padded batches agree with the engine.
+        Works through LoRA (peft) and value-head wrappers.
+        """
+        return _models.backbone_hidden_states(self.model, input_ids, attention_mask)
+
+    def output_embedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head as ``(weight (V, H), bias (V,) or None)``."""
+        return _models.output_embedding(self.model)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token values (B, L) from the value head (``head="value"`` agents only)."""
+        if self.head != "value":
+            raise ConfigError(f"agent {self.name!r} has no value head (head={self.head!r}); "
+                              f"create it with Agent(..., head='value')")
+        return self.model(input_ids, attention_mask)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Parameters that require grad (LoRA adapters only for LoRA agents; none when frozen)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def copy(self, trainable: bool = False) -> "Agent":
+        """An independent Agent with a deep copy of the current weights (a reference snapshot);
+        only the tokenizer, which is never mutated, is shared."""
+        clone = _copy.copy(self)
+        clone.trainable = bool(trainable)
+        clone.options = dict(self.options)
+        clone.engine_options = dict(self.engine_options)
+        clone._engine = None
+        clone._model = None
+        clone._adopt(_copy.deepcopy(self.model))
+        return clone
+
+    def chat_ids(self, messages: list[dict], *, tools: list | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered by the chat template (tool specs Hermes style, see
+        :func:`materl.engines.models.chatml_tools_template`), as a flat list of ints."""
+        out = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
+        )
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+
+    def to(self, device: str | torch.device) -> "Agent":
+        self.model.to(device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Save an HF-format folder (safetensors + config + tokenizer) that any HF loader or
+        SGLang server reads: LoRA adapters merged into the weights, the value head (if any)
+        as ``value_head.safetensors``."""
+        from peft import PeftModel
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        model = self.model
+        lm = getattr(model, "backbone", model)
+        if isinstance(lm, PeftModel):
+            lm = _copy.deepcopy(lm).merge_and_unload()
+        lm.save_pretrained(folder)
+        self.tokenizer.save_pretrained(folder)
+        if hasattr(model, "v_head"):
+            from materl.engines.value_head import ValueHeadModel
+
+            ValueHeadModel.save_value_head(model.v_head, folder)
+
+    def __repr__(self) -> str:
+        parts = [repr(self.name)]
+        if self.trainable:
+            parts.append("trainable")
+        if self.head:
+            parts.append(f"head={self.head!r}")
+        if self.lora:
+            parts.append(f"lora=r{self.lora.get('r', 16)}")
+        if self.engine_name != "transformers":
+            parts.append(f"engine={self.engine_name!r}")
+        return f"Agent({', '.join(parts)})"

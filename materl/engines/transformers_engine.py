@@ -1,0 +1,369 @@
+"""In-process generation over an HF causal LM, with request coalescing.
+
+    engine = TransformersEngine(model, tokenizer, max_batch=64, batch_window_s=0.005)
+    gen = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=32, seed=1))
+
+Every ``await generate(...)`` that arrives while no batch is being collected, or within
+``batch_window_s`` of the first, joins ONE batched decode (up to ``max_batch`` rows). The decode
+runs in a worker thread (``anyio.to_thread``) so the event loop keeps running tool calls and
+other episodes meanwhile; requests that arrive during a decode form the next batch.
+
+The decode loop is written here rather than calling ``model.generate``: left padding with
+positions ``cumsum(mask) - 1``, a ``DynamicCache``, per-row stop rules (eos ids,
+``stop_token_ids``, stop strings on the decoded tail, ``max_new_tokens``), finished rows dropped
+from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
+seeded request samples the same tokens whatever shares its batch. HF ``generate`` has one
+global generator and one set of sampling settings per call, which is why it is not used.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.lowlevel
+import torch
+from torch import Tensor
+
+from materl.engines.base import ENGINES, Generation, SamplingParams
+from materl.engines.models import causal_lm_of
+from materl.errors import ConfigError, EngineError
+
+
+@dataclass
+class EngineStats:
+    """Counters for benchmarks: how well requests were coalesced and how fast decoding ran."""
+
+    batches: int = 0
+    requests: int = 0
+    tokens: int = 0
+    decode_s: float = 0.0
+    largest_batch: int = 0
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.requests / self.batches if self.batches else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.decode_s if self.decode_s else 0.0
+
+
+@dataclass(eq=False)
+class _Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    token: object  # the event loop it was made on
+    wake: anyio.Event = field(default_factory=anyio.Event)
+    result: Generation | None = None
+    error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+@dataclass(eq=False)
+class _Row:
+    """Decode state of one request inside a batch."""
+
+    request: _Request
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    tail_tokens: int  # how many trailing tokens to decode when checking stop strings
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+
+@ENGINES.register("transformers")
+class TransformersEngine:
+    """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
+
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.005):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if batch_window_s < 0:
+            raise ConfigError(f"batch_window_s must be >= 0, got {batch_window_s!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.batch_window_s = batch_window_s
+        self.stats = EngineStats()
+        # Held while a decode runs; a learner that updates the same model in another thread
+        # while rollouts continue should hold it around optimizer.step().
+        self.model_lock = threading.Lock()
+        self._pending: list[_Request] = []
+        self._leader: _Request | None = None
+        self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        pad = tokenizer.pad_token_id
+        self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    @classmethod
+    def for_agent(cls, agent, **options) -> "TransformersEngine":
+        return cls(agent.model, agent.tokenizer, **options)
+
+    def __repr__(self) -> str:
+        return (f"TransformersEngine(max_batch={self.max_batch}, batches={self.stats.batches}, "
+                f"mean_batch={self.stats.mean_batch_size:.1f})")
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
+        """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
+        params = params or SamplingParams()
+        prompt_ids = _check_request(prompt_ids, params)
+        if params.max_new_tokens == 0:
+            return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
+        token = anyio.lowlevel.current_token()
+        self._drop_stale(token)
+        req = _Request(prompt_ids, params, _request_seed(params), token)
+        self._pending.append(req)
+        try:
+            while not req.done:
+                if self._leader is None:
+                    self._leader = req
+                    await self._lead(req)
+                else:
+                    await req.wake.wait()
+                    req.wake = anyio.Event()
+        finally:
+            if req in self._pending:  # cancelled before its batch started
+                self._pending.remove(req)
+            if self._leader is req:
+                self._leader = None
+                if self._pending:
+                    self._pending[0].wake.set()
+        if req.error is not None:
+            raise EngineError(f"generation failed for a batch containing this request: {req.error!r}") from req.error
+        return req.result
+
+    def sync_weights(self) -> None:
+        """No-op: the engine decodes with the agent's own model object, so it always sees the
+        current weights. (Safe to call at any time.)"""
+
+    async def aclose(self) -> None:
+        self._pending.clear()
+
+    # -- batching ---------------------------------------------------------------------------
+
+    def _drop_stale(self, token: object) -> None:
+        """Forget requests left by an event loop that is gone (e.g. an earlier ``asyncio.run``)."""
+        if self._leader is not None and self._leader.token != token:
+            self._leader = None
+        self._pending = [r for r in self._pending if r.token == token]
+
+    async def _lead(self, req: _Request) -> None:
+        """Run batches (oldest requests first) until ``req`` has its result."""
+        while not req.done:
+            await anyio.sleep(self.batch_window_s)
+            batch = self._pending[: self.max_batch]
+            del self._pending[: len(batch)]
+            with anyio.CancelScope(shield=True):  # the thread finishes anyway; deliver results
+                try:
+                    results = await anyio.to_thread.run_sync(self._decode_batch, batch)
+                except Exception as exc:  # noqa: BLE001 - handed to every waiter
+                    for r in batch:
+                        r.error = exc
+                else:
+                    for r, g in zip(batch, results):
+                        r.result = g
+                for r in batch:
+                    r.wake.set()
+
+    def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
+        lm = causal_lm_of(self.model)
+        start = time.perf_counter()
+        with self.model_lock:
+            was_training = lm.training
+            lm.eval()
+            try:
+                with torch.no_grad():
+                    gens = self._decode(lm, batch)
+            finally:
+                lm.train(was_training)
+        elapsed = time.perf_counter() - start
+        s = self.stats
+        s.batches += 1
+        s.requests += len(batch)
+        s.tokens += sum(len(g.token_ids) for g in gens)
+        s.decode_s += elapsed
+        s.largest_batch = max(s.largest_batch, len(batch))
+        return gens
+
+    # -- decode loop ------------------------------------------------------------------------
+
+    def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
+        from transformers import DynamicCache
+
+        device = next(lm.parameters()).device
+        rows = [self._new_row(r) for r in batch]
+        input_ids, mask = _left_pad([r.prompt_ids for r in batch], self.pad_id, device)
+        cache = DynamicCache(config=lm.config)
+        out = lm(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                 past_key_values=cache, use_cache=True, logits_to_keep=1)
+        active = list(range(len(rows)))  # rows[active[j]] is batch row j
+        while True:
+            live = [rows[i] for i in active]
+            tokens = self._step(out.logits[:, -1, :], live)
+            keep = [j for j, row in enumerate(live) if row.finish is None]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                mask, tokens = mask[index], tokens[index]
+                active = [active[j] for j in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
+            out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
+                     past_key_values=cache, use_cache=True)
+        return [self._finish(row, len(batch)) for row in rows]
+
+    def _new_row(self, req: _Request) -> _Row:
+        p = req.params
+        longest = max((len(s) for s in p.stop_strings), default=0)
+        return _Row(req, torch.Generator().manual_seed(req.seed),
+                    stop_ids=self.eos_ids | frozenset(p.stop_token_ids), tail_tokens=4 * longest + 4)
+
+    def _step(self, logits_B_V: Tensor, rows: list[_Row]) -> Tensor:
+        """Sample one token for every live row, record it and apply the stop rules."""
+        ps = [r.request.params for r in rows]
+        dev = logits_B_V.device
+        greedy = [p.greedy or p.temperature == 0 for p in ps]
+        tokens, logprobs = sample_tokens(
+            logits_B_V,
+            torch.tensor([torch.rand((), generator=r.generator).item() for r in rows], device=dev),
+            temperature_B=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev),
+            top_k_B=torch.tensor([p.top_k for p in ps], device=dev),
+            top_p_B=torch.tensor([p.top_p for p in ps], device=dev),
+            greedy_B=torch.tensor(greedy, device=dev),
+        )
+        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+            row.ids.append(tok)
+            row.logprobs.append(lp)
+            row.finish = self._stop_reason(row, tok)
+        return tokens
+
+    def _stop_reason(self, row: _Row, tok: int) -> str | None:
+        params = row.request.params
+        if tok in row.stop_ids:
+            return "stop"
+        if params.stop_strings:
+            tail = self.tokenizer.decode(row.ids[-row.tail_tokens:], skip_special_tokens=False)
+            if any(s in tail for s in params.stop_strings):
+                return "stop_string"
+        if len(row.ids) >= params.max_new_tokens:
+            return "length"
+        return None
+
+    def _finish(self, row: _Row, batch_size: int) -> Generation:
+        text = self.tokenizer.decode(row.ids, skip_special_tokens=False)
+        meta = {"text": text, "batch_size": batch_size, "seed": row.request.seed}
+        return Generation(row.ids, row.logprobs, row.finish or "length",
+                          prompt_len=len(row.request.prompt_ids), metadata=meta)
+
+
+# --------------------------------------------------------------------------------- helpers
+
+
+def _check_request(prompt_ids, params: SamplingParams) -> list[int]:
+    if not isinstance(params, SamplingParams):
+        raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise EngineError("generate() needs at least one prompt token; got an empty prompt")
+    if params.max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    return ids
+
+
+def _request_seed(params: SamplingParams) -> int:
+    """The request's own seed, or one drawn from torch's global generator (so an unseeded run is
+    still reproducible under ``torch.manual_seed``)."""
+    if params.seed is not None:
+        return int(params.seed)
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    config = getattr(causal_lm_of(model), "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    return ids
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """(B, P) ids and mask with each prompt right-aligned (left padding)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def top_k_top_p_filter(scaled_B_V: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf; shapes (B, V), (B,), (B,).
+
+    Order as HF ``generate``, vLLM and SGLang: top-k first, then top-p on the renormalised
+    top-k distribution. Top-p keeps the smallest prefix of tokens (by probability, descending)
+    whose mass reaches p: token j survives iff the mass of strictly more probable tokens is
+    < p, so the most probable token always survives. ``top_k <= 0`` and ``top_p >= 1`` are off.
+    (HF: ``TopKLogitsWarper`` + ``TopPLogitsWarper``, which removes ascending cumsum <= 1 - p.)
+    """
+    vocab = scaled_B_V.size(-1)
+    sorted_B_V, order_B_V = scaled_B_V.sort(dim=-1, descending=True)
+    ranks_V = torch.arange(vocab, device=scaled_B_V.device)
+    k_B = torch.where(top_k_B > 0, top_k_B.clamp(max=vocab), torch.full_like(top_k_B, vocab))
+    remove_B_V = ranks_V[None, :] >= k_B[:, None]
+    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
+    probs_B_V = sorted_B_V.softmax(dim=-1)
+    mass_before_B_V = probs_B_V.cumsum(dim=-1) - probs_B_V
+    threshold_B = torch.where(top_p_B < 1.0, top_p_B, torch.full_like(top_p_B, float("inf")))
+    remove_B_V = remove_B_V | (mass_before_B_V >= threshold_B[:, None])
+    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
+    return torch.empty_like(scaled_B_V).scatter_(-1, order_B_V, sorted_B_V)
+
+
+def sample_tokens(
+    logits_B_V: Tensor,
+    uniform_B: Tensor,
+    *,
+    temperature_B: Tensor,
+    top_k_B: Tensor,
+    top_p_B: Tensor,
+    greedy_B: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row and return ``(tokens_B, logprobs_B)``.
+
+    logprob_i = log_softmax(logits_i / T_i)[token_i]   (no top-k/top-p renormalisation; this is
+    what the learner recomputes; T_i must be > 0: greedy rows pass their temperature or 1).
+    Sampling is inverse-CDF with one uniform per row, u_i in [0, 1):
+    token_i = min{j : cdf_i[j] > u_i * cdf_i[V-1]} over the filtered distribution, so a row's
+    draw depends only on its own logits and its own generator. Greedy rows take argmax(logits).
+    (HF ``generate`` draws with ``torch.multinomial`` from one global generator; vLLM/SGLang
+    report the same un-renormalised log-probs by default.)
+    """
+    scaled_B_V = logits_B_V.float() / temperature_B[:, None]
+    logprobs_B_V = scaled_B_V.log_softmax(dim=-1)
+    needs_filter = bool(((top_k_B > 0) | (top_p_B < 1.0)).any())
+    filtered_B_V = top_k_top_p_filter(scaled_B_V, top_k_B, top_p_B) if needs_filter else scaled_B_V
+    cdf_B_V = filtered_B_V.softmax(dim=-1).cumsum(dim=-1)
+    target_B1 = (uniform_B.to(cdf_B_V) * cdf_B_V[:, -1])[:, None]
+    sampled_B = torch.searchsorted(cdf_B_V, target_B1, right=True).squeeze(-1)
+    sampled_B = sampled_B.clamp_(max=logits_B_V.size(-1) - 1)
+    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
+    return tokens_B, logprobs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)

@@ -1,0 +1,221 @@
+"""The engine contract (materl/engines/base.py), checked on every engine.
+
+The in-process engine runs on the tiny random Llama. The SGLang parametrisation runs only when
+MATERL_SGLANG_URL points at a server; MATERL_SGLANG_MODEL names the model (or HF folder) that
+server was launched with (default: smollm2-135m-instruct), used here for tokenizing and for
+the teacher-forced reference log-probs.
+"""
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from materl.engines.base import Engine, SamplingParams
+from materl.engines.models import load_model
+from materl.errors import ConfigError, EngineError
+
+SGLANG_URL = os.environ.get("MATERL_SGLANG_URL")
+ENGINE_KINDS = [
+    "transformers",
+    pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.skipif(
+        not SGLANG_URL, reason="set MATERL_SGLANG_URL to a running SGLang server")]),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tokenizer = load_model("tiny-random")
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(params=ENGINE_KINDS)
+def setup(request, tiny):
+    """(engine, model, tokenizer): the model is the one the engine samples from."""
+    if request.param == "transformers":
+        from materl.engines.transformers_engine import TransformersEngine
+
+        model, tokenizer = tiny
+        return TransformersEngine(model, tokenizer), model, tokenizer
+    from materl.engines.sglang_engine import SGLangEngine
+
+    model, tokenizer = load_model(os.environ.get("MATERL_SGLANG_MODEL", "smollm2-135m-instruct"))
+    return SGLangEngine(SGLANG_URL), model.eval(), tokenizer
+
+
+def teacher_forced_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token given everything before it."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return (logits / temperature).log_softmax(-1).gather(-1, torch.tensor(completion)[:, None]).squeeze(-1)
+
+
+PROMPTS = ["hello there", "a", "a longer prompt, so the batch is left-padded"]
+
+
+async def test_is_an_engine_and_ids_decode_to_text(setup):
+    engine, _, tok = setup
+    assert isinstance(engine, Engine)
+    prompt = tok.encode(PROMPTS[0])
+    gen = await engine.generate(prompt, SamplingParams(max_new_tokens=12, seed=3))
+    assert 0 < len(gen.token_ids) <= 12 and len(gen.logprobs) == len(gen.token_ids)
+    assert gen.prompt_len == len(prompt)
+    assert tok.decode(gen.token_ids, skip_special_tokens=False) == gen.metadata["text"]
+    assert gen.finish_reason in ("stop", "stop_string", "length")
+
+
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, 0), (0.7, 0.9, 20)])
+async def test_logprobs_match_a_teacher_forced_forward(setup, temperature, top_p, top_k):
+    # sampling log-probs are log_softmax(logits / T) of the unfiltered distribution, computed
+    # inside a left-padded batch with a KV cache; the reference is one unpadded forward pass
+    engine, model, tok = setup
+    params = SamplingParams(max_new_tokens=16, temperature=temperature, top_p=top_p, top_k=top_k, seed=7)
+    prompts = [tok.encode(p) for p in PROMPTS]
+    gens = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    for prompt, gen in zip(prompts, gens):
+        ref = teacher_forced_logprobs(model, prompt, gen.token_ids, temperature)
+        assert torch.allclose(torch.tensor(gen.logprobs), ref, atol=1e-4, rtol=0), (gen.logprobs, ref)
+
+
+async def test_greedy_is_deterministic_and_takes_the_argmax(setup):
+    engine, model, tok = setup
+    prompt = tok.encode(PROMPTS[2])
+    params = SamplingParams(max_new_tokens=10, greedy=True)
+    first, second = await engine.generate(prompt, params), await engine.generate(prompt, params)
+    assert first.token_ids == second.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + first.token_ids])).logits[0, len(prompt) - 1 : -1]
+    assert logits.argmax(-1).tolist() == first.token_ids
+    # greedy log-probs are at T = temperature (1 here)
+    assert torch.allclose(torch.tensor(first.logprobs), logits.log_softmax(-1).max(-1).values, atol=1e-4)
+
+
+async def test_same_seed_same_sample_whatever_shares_the_batch(setup):
+    engine, _, tok = setup
+    prompt = tok.encode(PROMPTS[0])
+    params = SamplingParams(max_new_tokens=16, seed=1234)
+    alone = await engine.generate(prompt, params)
+    partners = [engine.generate(tok.encode(p), SamplingParams(max_new_tokens=24, seed=i)) for i, p in enumerate(PROMPTS)]
+    together, *_ = await asyncio.gather(engine.generate(prompt, params), *partners)
+    assert together.token_ids == alone.token_ids
+    other_seed = await engine.generate(prompt, SamplingParams(max_new_tokens=16, seed=1235))
+    assert other_seed.token_ids != alone.token_ids  # 16 draws from ~uniform over 512 ids
+
+
+async def test_stop_string_ends_generation_once_the_text_contains_it(setup):
+    engine, _, tok = setup
+    prompt = tok.encode(PROMPTS[1])
+    free = await engine.generate(prompt, SamplingParams(max_new_tokens=24, greedy=True))
+    # pick a stop string from the middle of the free run: the first token that decodes cleanly
+    k = next(i for i in range(4, len(free.token_ids)) if "\ufffd" not in tok.decode(free.token_ids[i : i + 1]))
+    stop = tok.decode(free.token_ids[k : k + 1])
+    stopped = await engine.generate(prompt, SamplingParams(max_new_tokens=24, greedy=True, stop_strings=(stop,)))
+    n = len(stopped.token_ids)
+    assert stopped.finish_reason == "stop_string"
+    assert stopped.token_ids == free.token_ids[:n]  # same greedy path, cut short, stop string kept
+    assert stop in tok.decode(stopped.token_ids) and stop not in tok.decode(stopped.token_ids[:-1])
+
+
+async def test_stop_token_and_max_new_tokens(setup):
+    engine, _, tok = setup
+    prompt = tok.encode(PROMPTS[0])
+    free = await engine.generate(prompt, SamplingParams(max_new_tokens=12, greedy=True))
+    stop_id = free.token_ids[5]
+    first = free.token_ids.index(stop_id)
+    stopped = await engine.generate(prompt, SamplingParams(max_new_tokens=12, greedy=True, stop_token_ids=(stop_id,)))
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: first + 1]
+    short = await engine.generate(prompt, SamplingParams(max_new_tokens=3, seed=0))
+    if short.finish_reason == "length":
+        assert len(short.token_ids) == 3
+    else:  # an eos id came first
+        assert short.finish_reason == "stop" and len(short.token_ids) <= 3
+
+
+# ----------------------------------------------------------------------------- in-process only
+
+
+@pytest.fixture
+def engine(tiny):
+    from materl.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(*tiny, max_batch=64, batch_window_s=0.005)
+
+
+async def test_concurrent_requests_are_coalesced_into_fewer_batches(engine, tiny):
+    tok = tiny[1]
+    prompts = [tok.encode(f"request number {i}" + "!" * i) for i in range(16)]
+    gens = await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=8, seed=i)) for i, p in enumerate(prompts)])
+    assert len(gens) == 16 and engine.stats.requests == 16
+    assert engine.stats.batches < 16
+    assert engine.stats.mean_batch_size > 1
+    assert max(g.metadata["batch_size"] for g in gens) > 1
+
+
+async def test_max_batch_caps_a_batch(tiny):
+    from materl.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(*tiny, max_batch=4)
+    await asyncio.gather(*[engine.generate([104 + i], SamplingParams(max_new_tokens=2, seed=i)) for i in range(10)])
+    assert engine.stats.largest_batch <= 4 and engine.stats.batches >= 3  # 10 requests, 4 a batch
+
+
+async def test_event_loop_keeps_running_while_a_batch_decodes(engine, tiny):
+    model = tiny[0]
+    state = {"ticks": 0, "at_first_forward": None}
+
+    def note_first_forward(*_):
+        if state["at_first_forward"] is None:
+            state["at_first_forward"] = state["ticks"]
+
+    hook = model.register_forward_pre_hook(note_first_forward)
+    try:
+        task = asyncio.ensure_future(engine.generate([104, 105], SamplingParams(max_new_tokens=64, seed=0)))
+        while not task.done():
+            state["ticks"] += 1
+            await asyncio.sleep(0)
+        await task
+    finally:
+        hook.remove()
+    # the loop ticked after the decode's first forward pass began, i.e. during the decode
+    assert state["at_first_forward"] is not None and state["ticks"] > state["at_first_forward"]
+
+
+async def test_cancelled_request_does_not_block_the_others(engine):
+    slow = asyncio.ensure_future(engine.generate([104], SamplingParams(max_new_tokens=4, seed=0)))
+    await asyncio.sleep(0)
+    slow.cancel()
+    gen = await engine.generate([105], SamplingParams(max_new_tokens=4, seed=1))
+    assert len(gen.token_ids) > 0
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+
+
+async def test_generation_restores_train_mode_and_sync_is_a_noop(engine, tiny):
+    model = tiny[0]
+    model.train()
+    try:
+        await engine.generate([104], SamplingParams(max_new_tokens=2, seed=0))
+        assert model.training
+        engine.sync_weights()
+    finally:
+        model.eval()
+
+
+async def test_bad_requests_fail_with_the_value_received(engine):
+    with pytest.raises(ConfigError, match="top_p"):
+        await engine.generate([104], SamplingParams(top_p=0.0))
+    with pytest.raises(ConfigError, match="temperature"):
+        await engine.generate([104], SamplingParams(temperature=-1.0))
+    with pytest.raises(EngineError, match="empty prompt"):
+        await engine.generate([], SamplingParams())
+    empty = await engine.generate([104], SamplingParams(max_new_tokens=0))
+    assert empty.token_ids == [] and empty.finish_reason == "length"
+
+
+def test_engine_works_across_event_loops(engine):
+    # step.run() calls asyncio.run() once per step: the engine must not hold on to a dead loop
+    a = asyncio.run(engine.generate([104], SamplingParams(max_new_tokens=3, seed=5)))
+    b = asyncio.run(engine.generate([104], SamplingParams(max_new_tokens=3, seed=5)))
+    assert a.token_ids == b.token_ids
