@@ -53,17 +53,18 @@ def evaluate(expression: str) -> int | float:
         raise CalcError(f"expression has {len(expression)} characters; the limit is {MAX_CHARS}")
     if not expression.strip():
         raise CalcError(f"expression is empty; write {ALLOWED}")
+    shown = repr(expression) if len(expression) <= 60 else repr(expression[:57] + "...")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError as exc:
         hint = " (use ** for powers)" if "^" in expression else ""
-        raise CalcError(f"cannot parse {expression!r}: {exc.msg}{hint}") from None
+        raise CalcError(f"cannot parse {shown}: {exc.msg}{hint}") from None
     except (RecursionError, MemoryError, ValueError):
-        raise CalcError(f"cannot parse {expression!r}: it is nested too deeply") from None
+        raise CalcError(f"cannot parse {shown}: it is nested too deeply") from None
     try:
         return _eval(tree.body, expression)
     except RecursionError:
-        raise CalcError(f"{expression!r} is nested too deeply") from None
+        raise CalcError(f"{shown} is nested too deeply") from None
 
 
 def _eval(node: ast.AST, src: str) -> int | float:
