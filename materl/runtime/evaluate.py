@@ -91,3 +91,18 @@ def _term(r) -> tuple[Any, float, dict]:
     if isinstance(r, tuple):
         return r[0], float(r[1]), dict(r[2]) if len(r) > 2 else {}
     return r, 1.0, {}
+
+
+def evaluate_from_config(cfg, checkpoint: str | None = None) -> dict[str, float]:
+    """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy."""
+    from materl.runtime.train import build_from_config
+
+    compiled, _, test_rows = build_from_config(cfg)
+    try:
+        if checkpoint:
+            from materl.runtime.checkpoint import load_checkpoint, restore
+
+            restore(load_checkpoint(checkpoint), agents=compiled.agents, rng=False)
+        return evaluate_compiled(compiled, test_rows)
+    finally:
+        compiled.close()

@@ -108,3 +108,83 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         logger.close()
     return {"history": history, "evals": evals, "checkpoint": str(last_ckpt) if last_ckpt else None,
             "run_dir": str(run_dir)}
+
+
+def build_from_config(cfg):
+    """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)."""
+    import importlib
+
+    import materl as ml
+    import materl.recipes
+    from materl.compile.compiled import Compiled
+
+    recipe = _recipe_from_config(cfg)
+    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
+    if "ref_policy" in recipe.agents:
+        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
+    if "value_model" in recipe.agents:
+        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
+    if cfg.rewards:
+        def rewards(graph):
+            total = None
+            for spec in cfg.rewards:
+                fn = spec.name
+                if ":" in fn:
+                    module, attr = fn.split(":")
+                    fn = getattr(importlib.import_module(module), attr)
+                term = ml.reward(fn, weight=spec.weight, **spec.params)
+                total = term if total is None else total + term
+            return total
+
+        recipe = ml.replace(recipe, "rewards", rewards)
+    compiled = Compiled(recipe, agents, cfg.compile_options())
+    train_rows, test_rows = _data_from_config(cfg)
+    return compiled, train_rows, test_rows
+
+
+def _recipe_from_config(cfg):
+    import materl as ml
+    import materl.recipes
+
+    if cfg.recipe == "grpo_tools":
+        from materl.recipes.grpo_tools import grpo_tools_recipe
+
+        return grpo_tools_recipe(ml.mcp_tools(*(cfg.tools or ["python -m materl.tools.calculator"])))
+    return materl.recipes.get(cfg.recipe)
+
+
+def _data_from_config(cfg) -> tuple[list, list]:
+    d = cfg.data
+    if d.source == "arithmetic":
+        from materl.runtime.tasks import arithmetic_split
+
+        return arithmetic_split(d.train_size, d.test_size, seed=d.seed, **d.params)
+    if Path(d.source).suffix == ".jsonl":
+        rows = load_rows(d.source)
+    else:
+        import datasets
+
+        rows = load_rows(datasets.load_from_disk(d.source))
+    test, train_rows = rows[: d.test_size], rows[d.test_size:]
+    return (train_rows[: d.train_size] if d.train_size else train_rows), test
+
+
+def train_from_config(cfg) -> dict[str, Any]:
+    """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations."""
+    from materl.runtime.config import config_to_dict
+
+    compiled, train_rows, test_rows = build_from_config(cfg)
+    t = cfg.train
+    resume = str(Path(t.run_dir)) if t.resume is True else (t.resume or None)
+    try:
+        result = train(compiled, train_rows, steps=t.steps, batch_size=t.batch_size,
+                       eval_dataset=(test_rows[: t.eval_size] if t.eval_size else test_rows) or None,
+                       eval_every=t.eval_every, save_every=t.save_every, keep_last=t.keep_last, run_dir=t.run_dir,
+                       resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
+                       progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
+                       tensorboard=cfg.logging.tensorboard, config=config_to_dict(cfg))
+    finally:
+        compiled.close()
+    last = result["history"][-1] if result["history"] else {}
+    return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
+            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"]}

@@ -1,0 +1,193 @@
+"""The ``materl`` command.
+
+    materl train CONFIG.yaml [--set train.steps=3 ...]     train from a config (see runtime/config.py)
+    materl eval CONFIG.yaml [--checkpoint PATH]            evaluate the config's model or a checkpoint
+    materl export CHECKPOINT OUT_DIR [--agent policy] [--no-merge]
+    materl recipes [NAME]                                  list built-in recipes / print one's graph
+    materl tools COMMAND...                                list an MCP server's tools
+    materl bench kernels                                   kernel benchmarks
+
+Errors materl raises on purpose (``MaterlError``) print one line to stderr and exit with status 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from materl.errors import ConfigError, MaterlError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except MaterlError as e:
+        print(f"materl {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"materl {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="materl", description="materl: tool-use RL for LLMs as compiled dataflow recipes")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train from a YAML config")
+    t.add_argument("config", help="path to a YAML config (see examples/configs/)")
+    t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set train.steps=3 (repeatable)")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
+    e.add_argument("config")
+    e.add_argument("--checkpoint", default=None, help="checkpoint folder or run dir (its latest)")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    e.set_defaults(func=cmd_eval)
+
+    x = sub.add_parser("export", help="write a checkpoint's agent as a plain Hugging Face model folder")
+    x.add_argument("checkpoint", help="checkpoint folder or run dir (its latest)")
+    x.add_argument("out_dir")
+    x.add_argument("--agent", default="policy", help="which agent of the checkpoint (default: policy)")
+    x.add_argument("--no-merge", dest="merge_lora", action="store_false",
+                   help="keep LoRA adapters separate (writes a peft adapter folder)")
+    x.set_defaults(func=cmd_export)
+
+    r = sub.add_parser("recipes", help="list built-in recipes, or print one's graph")
+    r.add_argument("name", nargs="?")
+    r.set_defaults(func=cmd_recipes)
+
+    tl = sub.add_parser("tools", help="list the tools of an MCP server command line or URL")
+    tl.add_argument("server", nargs=argparse.REMAINDER, metavar="COMMAND...",
+                    help="e.g. python -m materl.tools.calculator, or http://host:port/mcp")
+    tl.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
+    tl.set_defaults(func=cmd_tools)
+
+    b = sub.add_parser("bench", help="run benchmarks")
+    b.add_argument("what", choices=["kernels"])
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from materl.runtime.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from materl.runtime.train import train_from_config
+
+    _print_metrics(train_from_config(cfg))
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from materl.runtime.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    from materl.runtime.evaluate import evaluate_from_config
+
+    _print_metrics(evaluate_from_config(cfg, args.checkpoint))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from materl.runtime.export import export
+
+    out = export(args.checkpoint, args.out_dir, agent=args.agent, merge_lora=args.merge_lora)
+    print(f"exported agent {args.agent!r} to {out}")
+    return 0
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    import materl.recipes
+
+    if args.name:
+        print(materl.recipes.get(args.name))
+        return 0
+    names = materl.recipes.names()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {recipe_summary(name)}")
+    return 0
+
+
+def cmd_tools(args: argparse.Namespace) -> int:
+    server = list(args.server)
+    if server and server[0] == "--":
+        server = server[1:]
+    if not server:
+        raise ConfigError("tools: give an MCP server command line or URL, e.g. materl tools python -m "
+                          "materl.tools.calculator")
+    from materl.rollout.mcp import list_tools
+
+    spec: Any = server[0] if len(server) == 1 and "://" in server[0] else server
+    for tool in list_tools(spec, timeout_s=args.timeout):
+        print(describe_tool(tool))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    try:
+        bench = importlib.import_module("materl.benchmark")
+    except ImportError as e:
+        if e.name not in ("materl.benchmark", "materl"):
+            raise
+        raise ConfigError("bench kernels: materl.benchmark is not available in this install") from None
+    fn = getattr(bench, f"main_{args.what}", None)
+    if fn is None:
+        raise ConfigError(f"bench {args.what}: materl.benchmark has no main_{args.what}()")
+    return int(fn() or 0)
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def recipe_summary(name: str) -> str:
+    """First line of a built-in recipe's docstring (the recipe's, else its module's)."""
+    import materl.recipes
+
+    recipe = materl.recipes.get(name)
+    doc = getattr(recipe, "doc", "") or (sys.modules.get(f"materl.recipes.{name}").__doc__
+                                         if f"materl.recipes.{name}" in sys.modules else "") or ""
+    return doc.strip().splitlines()[0] if doc.strip() else ""
+
+
+def describe_tool(tool: dict[str, Any]) -> str:
+    """``name(arg: type, [opt: type])  description`` for an OpenAI-format function spec."""
+    fn = tool.get("function", tool)
+    params = fn.get("parameters") or {}
+    required = set(params.get("required") or [])
+    args = []
+    for arg, schema in (params.get("properties") or {}).items():
+        kind = schema.get("type", "any") if isinstance(schema, dict) else "any"
+        args.append(f"{arg}: {kind}" if arg in required else f"[{arg}: {kind}]")
+    desc = (fn.get("description") or "").strip()
+    first = desc.splitlines()[0] if desc else ""
+    return f"{fn.get('name', '?')}({', '.join(args)})" + (f"  {first}" if first else "")
+
+
+def _print_metrics(result: Any) -> None:
+    if isinstance(result, dict):
+        print(json.dumps(result, indent=2, default=str, sort_keys=True))
+    elif result is not None:
+        print(result)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

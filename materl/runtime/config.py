@@ -1,0 +1,364 @@
+"""Training configuration: one typed, validated record read from YAML.
+
+    cfg = load_config("examples/configs/tiny_grpo.yaml", overrides=["train.steps=3", "compile.lr=1e-5"])
+    cfg.train.steps                    # 3
+    cfg.compile_options()              # materl.compile.options.CompileOptions
+    config_to_dict(cfg)                # plain dict (saved into checkpoints)
+
+Sections: ``model``, ``ref_model``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
+``train``, ``logging``. Every key has one default, here. Unknown keys are errors (a typo is not
+silently ignored). A bad value raises :class:`~materl.errors.ConfigError` naming the field path
+(``train.steps``), the value received and the accepted range or choices.
+
+Overrides are ``dotted.path=value``; the value is parsed as a YAML scalar (``3`` is an int,
+``1e-5`` a float, ``true`` a bool, ``null`` None, ``[1, 2]`` a list); list items are addressed by
+index (``rewards.0.weight=0.5``). (verl: Hydra/OmegaConf overrides; TRL: ``HfArgumentParser``
+dataclasses. Deliberate difference: no interpolation, no config groups — one file, one record.)
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from materl.errors import ConfigError
+
+# Recipes built from a factory that needs the run's toolbox (``recipes/grpo_tools.py``), so they
+# are not in ``materl.recipes.names()``; the trainer builds them with the configured tools.
+TOOL_RECIPES = ("grpo_tools",)
+DATA_GENERATORS = ("arithmetic",)
+_DOTTED_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:function"
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """The trained policy: a named model (``tiny-random``, ``smollm2-135m-instruct``) or an
+    HF folder; ``lora``: dict(r, alpha, dropout, targets) or None; ``head``: None or "value"."""
+
+    name: str = "tiny-random"
+    lora: dict[str, Any] | None = None
+    head: Literal["value"] | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, v: str) -> str:
+        return _check_model(v)
+
+    @field_validator("lora")
+    @classmethod
+    def _lora_keys(cls, v: dict | None) -> dict | None:
+        if v is not None:
+            from materl.engines.models import lora_options
+
+            lora_options(v)
+        return v
+
+
+class RefModelSection(_Section):
+    """The reference model; ``name: null`` means a frozen copy of ``model.name``."""
+
+    name: str | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _known_model(cls, v: str | None) -> str | None:
+        return None if v is None else _check_model(v)
+
+
+class RewardSpec(_Section):
+    """One reward term: a built-in reward name or ``package.module:function``."""
+
+    name: str
+    weight: float = 1.0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known_reward(cls, v: str) -> str:
+        from materl.ops.rewards import REWARDS
+
+        if v in REWARDS or _DOTTED_FN.match(v):
+            return v
+        raise ValueError(f"unknown reward {v!r}{_did_you_mean(v, REWARDS.names())}; accepted: "
+                         f"{', '.join(REWARDS.names())} or 'package.module:function'")
+
+
+class DataSection(_Section):
+    """Where prompts come from: ``arithmetic`` (a seeded generator), a JSONL file, or a
+    ``datasets`` folder saved with ``save_to_disk``. ``train_size``/``test_size`` are the split
+    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator."""
+
+    source: str = "arithmetic"
+    train_size: int | None = Field(default=256, ge=1)
+    test_size: int = Field(default=32, ge=0)
+    seed: int = 0
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class TrainSection(_Section):
+    """The loop: ``steps`` optimizer steps of ``batch_size`` prompts each (x group_size episodes)."""
+
+    steps: int = Field(default=100, ge=1)
+    batch_size: int = Field(default=8, ge=1)
+    eval_every: int = Field(default=0, ge=0)  # 0: never
+    eval_size: int | None = Field(default=None, ge=1)  # held-out prompts per evaluation; None: all
+    save_every: int = Field(default=0, ge=0)  # 0: only at the end
+    keep_last: int = Field(default=3, ge=1)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0)
+    seed: int = 0
+    run_dir: str = "runs/materl"
+    resume: str | bool | None = None  # a checkpoint/run dir, or true: this run_dir's latest
+
+    @model_validator(mode="after")
+    def _warmup_fits(self) -> TrainSection:
+        if self.warmup_steps > self.steps:
+            raise ValueError(f"warmup_steps={self.warmup_steps} is more than steps={self.steps}; "
+                             f"accepted: 0 <= warmup_steps <= steps")
+        return self
+
+
+class LoggingSection(_Section):
+    """Where metrics go besides ``run_dir/metrics.jsonl``; ``tensorboard: null`` = on if installed."""
+
+    progress: bool = True
+    tensorboard: bool | None = None
+    wandb: bool = False
+    mlflow: bool = False
+    samples_every: int = Field(default=0, ge=0)  # write episode samples every N steps; 0: never
+
+
+class TrainConfig(_Section):
+    """The whole run. ``compile`` holds :class:`CompileOptions` keywords (validated by it)."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    ref_model: RefModelSection = Field(default_factory=RefModelSection)
+    recipe: str = "grpo"
+    rewards: list[RewardSpec] = Field(default_factory=list)  # empty: the recipe's own rewards
+    tools: list[str] = Field(default_factory=list)  # MCP server command lines or http(s) URLs
+    data: DataSection = Field(default_factory=DataSection)
+    compile: dict[str, Any] = Field(default_factory=dict)
+    train: TrainSection = Field(default_factory=TrainSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @field_validator("recipe")
+    @classmethod
+    def _known_recipe(cls, v: str) -> str:
+        choices = recipe_choices()
+        if v not in choices:
+            raise ValueError(f"unknown recipe {v!r}{_did_you_mean(v, choices)}; accepted: {', '.join(choices)}")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_specs(cls, v: list[str]) -> list[str]:
+        for i, spec in enumerate(v):
+            if not spec.strip():
+                raise ValueError(f"tools[{i}] is empty; accepted: an MCP server command line or an http(s) URL")
+            if "://" in spec and not spec.startswith(("http://", "https://")):
+                raise ValueError(f"tools[{i}]={spec!r} has an unsupported scheme; accepted: http://, https://")
+        return v
+
+    @field_validator("compile")
+    @classmethod
+    def _compile_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        from materl.compile.options import CompileOptions
+
+        try:
+            CompileOptions.from_kwargs(**v)
+        except ConfigError as e:  # name the option by its path: compile.group_size=0 ...
+            msg = re.sub(r"compile option (\w+)=", r"compile.\1=", str(e), count=1)
+            raise ValueError(msg.replace("unknown compile option(s)", "unknown option(s)")) from None
+        return v
+
+    def compile_options(self):
+        """The validated :class:`~materl.compile.options.CompileOptions` (seed defaults to train.seed)."""
+        from materl.compile.options import CompileOptions
+
+        return CompileOptions.from_kwargs(**{"seed": self.train.seed, **self.compile})
+
+
+def recipe_choices() -> list[str]:
+    """Recipe names a config may use: the built-ins plus the toolbox-built ones."""
+    import materl.recipes
+
+    return sorted(set(materl.recipes.names()) | set(TOOL_RECIPES))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML file, apply ``key.path=value`` overrides, validate.
+
+    A relative ``data.source`` that is not found from the working directory is looked up next
+    to the config file. Raises ConfigError (missing file, bad YAML, bad override, bad value).
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = _yaml(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
+    for item in overrides:
+        apply_override(data, item)
+    _resolve_data_source(data, path.parent)
+    return validate_config(data, where=str(path))
+
+
+def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
+    """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure."""
+    try:
+        cfg = TrainConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, where)) from None
+    _check_data_source(cfg.data.source, where)
+    return cfg
+
+
+def config_to_dict(cfg: TrainConfig | dict) -> dict[str, Any]:
+    """Plain JSON/YAML-safe dict of a config (a dict passes through as a copy)."""
+    if isinstance(cfg, dict):
+        return dict(cfg)
+    return cfg.model_dump(mode="json")
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set ``data[a][b][c] = yaml(value)`` for ``item = "a.b.c=value"`` (in place)."""
+    key, sep, raw = item.partition("=")
+    parts = key.strip().split(".")
+    if not sep or not all(parts):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.steps=3)")
+    try:
+        value = _yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node: Any = data
+    for depth, part in enumerate(parts):
+        last = depth == len(parts) - 1
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {item!r}: {where!r} is not an index of a list of {len(node)} items")
+            index: Any = int(part)
+        elif isinstance(node, dict):
+            index = part
+            if not last and node.get(part) is None:
+                node[part] = {}
+        else:
+            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])!r} is a value, not a section")
+        if last:
+            node[index] = value
+        else:
+            node = node[index]
+
+
+# ----------------------------------------------------------------------------- checks and messages
+
+
+def _check_model(name: str) -> str:
+    from materl.engines.models import NAMED_MODELS
+
+    if name in NAMED_MODELS or (Path(name).expanduser() / "config.json").is_file():
+        return name
+    raise ValueError(f"model {name!r} is neither a named model nor a folder with config.json"
+                     f"{_did_you_mean(name, NAMED_MODELS.names())}; named models: {', '.join(NAMED_MODELS.names())}")
+
+
+def _resolve_data_source(data: dict[str, Any], config_dir: Path) -> None:
+    section = data.get("data")
+    source = section.get("source") if isinstance(section, dict) else None
+    if not isinstance(source, str) or source in DATA_GENERATORS or Path(source).is_absolute():
+        return
+    if not Path(source).exists() and (config_dir / source).exists():
+        section["source"] = str(config_dir / source)
+
+
+def _check_data_source(source: str, where: str) -> None:
+    if source in DATA_GENERATORS:
+        return
+    p = Path(source).expanduser()
+    if (p.is_file() and p.suffix in (".jsonl", ".json")) or p.is_dir():
+        return
+    raise ConfigError(f"data.source: {source!r} is not a generator, a .jsonl file or a saved `datasets` folder "
+                      f"({'not found' if not p.exists() else 'unsupported file type'}); accepted: "
+                      f"{', '.join(DATA_GENERATORS)}, a path to a .jsonl file, a datasets.save_to_disk folder "
+                      f"(in {where})")
+
+
+def _describe(err: ValidationError, where: str) -> str:
+    lines = [_describe_one(e) for e in err.errors(include_url=False)]
+    head = f"invalid config ({where}): " if len(lines) == 1 else f"invalid config ({where}), {len(lines)} errors:\n  "
+    return head + "\n  ".join(lines)
+
+
+def _describe_one(e: dict[str, Any]) -> str:
+    path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    kind, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
+    if kind == "extra_forbidden":
+        parent, key = e["loc"][:-1], str(e["loc"][-1])
+        valid = _section_keys(parent)
+        return f"{path}: unknown key {key!r}{_did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
+    if kind == "missing":
+        return f"{path}: required, missing"
+    bounds = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
+              "less_than": "< {lt}"}
+    if kind in bounds:
+        return f"{path}={value!r} is out of range; accepted: {bounds[kind].format(**ctx)}"
+    if kind == "literal_error":
+        return f"{path}={value!r}; accepted: {ctx.get('expected', '')}"
+    msg = str(ctx.get("error", e["msg"]))
+    msg = msg.removeprefix("Value error, ")
+    if msg.startswith(path):
+        return msg
+    return f"{path}: {msg}" + ("" if repr(value) in msg or isinstance(value, dict) else f" (got {value!r})")
+
+
+def _section_keys(loc: tuple) -> list[str]:
+    """Field names of the section at ``loc`` (for "valid keys: ..." in unknown-key errors)."""
+    from typing import get_args
+
+    model: Any = TrainConfig
+    for part in loc:
+        if str(part).isdigit():  # an item of a list section (rewards.0)
+            continue
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        nested = [a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if not nested:
+            return []
+        model = nested[0]
+    return list(model.model_fields)
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -1,0 +1,73 @@
+"""Export a checkpoint's agent as a plain Hugging Face model folder.
+
+    export("runs/demo", "exported/policy")               # latest checkpoint, LoRA merged
+    AutoModelForCausalLM.from_pretrained("exported/policy")  # same logits as in training
+
+The agent is rebuilt from its ``agent.json`` (``materl.agent.Agent``: the same base model, LoRA
+and head), its ``model.safetensors`` loaded (strict), LoRA merged into the base weights with
+peft's ``merge_and_unload`` (``W + (alpha / r) * B @ A``) unless ``merge_lora=False``, and the
+result written with ``save_pretrained`` plus the tokenizer (and its chat template). A value-head
+agent also writes ``value_head.safetensors`` next to the backbone (ignored by
+``AutoModelForCausalLM``, read back by ``materl.Agent(out_dir, head="value")``).
+
+With ``merge_lora=False`` a LoRA agent is written as a peft adapter folder
+(``adapter_config.json`` + ``adapter_model.safetensors``) whose ``base_model_name_or_path`` is
+the base model's folder; transformers loads it with peft installed.
+(TRL: ``trainer.save_model`` + ``model.merge_and_unload()``; verl: ``model_merger`` for FSDP
+shards.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from materl.errors import ConfigError
+from materl.runtime.checkpoint import Checkpoint, load_checkpoint
+
+EXPORT_INFO = "materl_export.json"
+
+
+def export(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLike, *, agent: str = "policy",
+           merge_lora: bool = True) -> Path:
+    """Write agent ``agent`` of ``checkpoint`` (a Checkpoint, checkpoint folder or run dir) to
+    ``out_dir`` as an HF folder; returns ``out_dir``. ``out_dir`` must be empty or absent."""
+    from safetensors.torch import load_model
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    weights = ckpt.model_file(agent)  # ConfigError listing the agents when absent
+    info = ckpt.agents[agent]
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"export: output folder {str(out)!r} exists and is not empty; pick a new folder")
+    built = rebuild_agent(info)
+    load_model(built.model, str(weights), strict=True)
+    merged = bool(merge_lora and info.get("lora"))
+    out.mkdir(parents=True, exist_ok=True)
+    if merge_lora or not info.get("lora"):
+        built.save_pretrained(out)  # merges LoRA (merge_and_unload), writes the value head, tokenizer
+    else:
+        built.model.save_pretrained(str(out))  # peft adapter folder (+ value head for a critic)
+        built.tokenizer.save_pretrained(str(out))
+    (out / EXPORT_INFO).write_text(json.dumps({
+        "checkpoint": str(ckpt.path), "step": ckpt.step, "agent": agent, "lora_merged": merged,
+        **{k: info.get(k) for k in ("model_name_or_path", "head", "lora")}}, indent=2))
+    return out
+
+
+def rebuild_agent(info: dict[str, Any]):
+    """A fresh ``materl.agent.Agent`` with the model, head, LoRA and dtype recorded in
+    ``agent.json`` (always on the in-process transformers engine: exporting needs no server)."""
+    import torch
+
+    from materl.agent import Agent
+
+    name = info.get("model_name_or_path")
+    if not name:
+        raise ConfigError(f"agent.json does not say which model to rebuild (an Agent built from an nn.Module "
+                          f"cannot be exported from a checkpoint): {info!r}")
+    dtype = getattr(torch, str(info.get("dtype") or "float32"))
+    return Agent(name, trainable=bool(info.get("trainable")), head=info.get("head"), lora=info.get("lora"),
+                 dtype=dtype)

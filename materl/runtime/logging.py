@@ -1,0 +1,333 @@
+"""Run logging: a JSONL metrics file, a live progress bar, TensorBoard / W&B / MLflow, episode
+samples, and a plot at the end.
+
+    with RunLogger("runs/demo", total_steps=50) as log:
+        log.log(step, metrics)                         # metrics.jsonl + progress bar + TensorBoard
+        log.log_samples(step, [format_episode(r, tokenizer) for r in rollouts])
+    # close() wrote runs/demo/plot.png
+
+``run_dir/metrics.jsonl`` holds one object per ``log`` call: ``{"step": 3, "reward": 0.5, ...}``
+with numbers only (non-numbers are skipped; NaN/inf are written as ``null``). The file is
+appended to, so a resumed run continues it; the plot keeps the last record of each step.
+(TRL: ``transformers.Trainer`` callbacks / ``report_to``; verl: ``Tracking`` with backends.
+Deliberate difference: the JSONL file is always written and is the source of truth.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from materl.errors import ConfigError
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "plot.png"
+SAMPLES_DIR = "samples"
+KL_KEYS = ("kl", "policy_loss/kl")
+
+
+class RunLogger:
+    """Logs a run's metrics into ``run_dir``; see the module docstring.
+
+    progress: a tqdm bar over ``total_steps``. tensorboard: None = on if ``tensorboard`` is
+    installed. wandb / mlflow: on only when asked; ConfigError if asked and not installed.
+    ``config`` (a dict) is passed to W&B / MLflow as the run's parameters.
+    """
+
+    def __init__(self, run_dir: str | Path, *, progress: bool = True, total_steps: int | None = None,
+                 tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False,
+                 config: Mapping[str, Any] | None = None, run_name: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self._closed = False
+        self._bar = _progress_bar(total_steps) if progress else None
+        self._tb = _tensorboard_writer(self.run_dir, tensorboard)
+        self._wandb = _start_wandb(self.run_dir, config, run_name) if wandb else None
+        self._mlflow = _start_mlflow(config, run_name) if mlflow else None
+
+    # -- logging --
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | None]:
+        """Append ``{"step": step, **numeric metrics}`` to metrics.jsonl and every enabled sink;
+        returns the record written."""
+        record = numeric(metrics)
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps({"step": int(step), **record}, allow_nan=False) + "\n")
+        finite = {k: v for k, v in record.items() if v is not None}
+        if self._bar is not None:
+            self._update_bar(int(step), finite)
+        if self._tb is not None:
+            for k, v in finite.items():
+                self._tb.add_scalar(k, v, int(step))
+        if self._wandb is not None:
+            self._wandb.log(finite, step=int(step))
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({_mlflow_key(k): v for k, v in finite.items()}, step=int(step))
+        return record
+
+    def log_samples(self, step: int, episodes_text: Sequence[str]) -> Path:
+        """Append readable episodes to ``run_dir/samples/step-<step>.txt``; returns the file."""
+        folder = self.run_dir / SAMPLES_DIR
+        folder.mkdir(exist_ok=True)
+        path = folder / f"step-{int(step):06d}.txt"
+        with open(path, "a") as f:
+            for i, text in enumerate(episodes_text, 1):
+                f.write(f"===== step {int(step)} · episode {i} =====\n{text.rstrip()}\n\n")
+        return path
+
+    def _update_bar(self, step: int, m: Mapping[str, float]) -> None:
+        bar = self._bar
+        shown = progress_fields(m)
+        if shown:
+            bar.set_postfix(shown, refresh=False)
+        if step > bar.n:
+            bar.update(step - bar.n)
+
+    # -- closing --
+    def close(self) -> Path | None:
+        """Flush and close every sink and write ``run_dir/plot.png``; returns the plot's path
+        (None when nothing was logged)."""
+        if self._closed:
+            return None
+        self._closed = True
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.flush()
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+        return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def numeric(metrics: Mapping[str, Any]) -> dict[str, float | None]:
+    """Numbers only, as floats (bools, ints, numpy scalars, 1-element tensors); NaN/inf -> None."""
+    out: dict[str, float | None] = {}
+    for k, v in metrics.items():
+        if isinstance(v, str) or v is None:
+            continue
+        if hasattr(v, "numel") and v.numel() != 1:  # tensors with several values
+            continue
+        try:
+            f = float(v.item() if hasattr(v, "item") else v)
+        except (TypeError, ValueError):
+            continue
+        out[str(k)] = f if math.isfinite(f) else None
+    return out
+
+
+def progress_fields(m: Mapping[str, float]) -> dict[str, str]:
+    """What the progress bar shows: reward, loss, kl, tokens/s (= tokens / time/step)."""
+    shown = {}
+    for label, keys in (("reward", ("reward",)), ("loss", ("loss",)), ("kl", KL_KEYS)):
+        key = next((k for k in keys if k in m), None)
+        if key is not None:
+            shown[label] = f"{m[key]:.4g}"
+    if m.get("tokens") is not None and m.get("time/step"):
+        shown["tok/s"] = f"{m['tokens'] / m['time/step']:.1f}"
+    return shown
+
+
+def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
+    """metrics.jsonl -> {step: merged record}; later records for a step update earlier ones
+    (eval metrics and a resumed run's repeats), and a torn last line is ignored."""
+    by_step: dict[int, dict[str, float]] = {}
+    p = Path(path)
+    if not p.exists():
+        return by_step
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        step = rec.pop("step", None)
+        if isinstance(step, int):
+            by_step.setdefault(step, {}).update({k: v for k, v in rec.items() if v is not None})
+    return by_step
+
+
+def plot_series(by_step: Mapping[int, Mapping[str, float]]) -> list[tuple[str, list[int], list[float]]]:
+    """(key, steps, values) per subplot: reward, each reward/<component>/mean, KL, loss, and the
+    evaluation's reward/accuracy when logged."""
+    keys = {k for rec in by_step.values() for k in rec}
+    components = sorted(k for k in keys if k.startswith("reward/") and k.endswith("/mean"))
+    kl = next((k for k in KL_KEYS if k in keys), None)
+    wanted = ["reward", *components, *([kl] if kl else []), "loss", "eval/reward", "eval/accuracy"]
+    series = []
+    for key in wanted:
+        pts = [(s, rec[key]) for s, rec in sorted(by_step.items()) if key in rec]
+        if pts:
+            series.append((key, [s for s, _ in pts], [v for _, v in pts]))
+    return series
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path | None:
+    """Write one subplot per series of :func:`plot_series` against step (matplotlib, Agg canvas,
+    no global backend change). Returns ``out_path``, or None with nothing to plot."""
+    series = plot_series(read_metrics(metrics_path))
+    if not series:
+        return None
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 2.2 * len(series)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (key, steps, values) in zip(axes, series):
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
+        ax.set_ylabel(key, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
+    fig.savefig(str(out_path), dpi=100)
+    return Path(out_path)
+
+
+def _progress_bar(total: int | None):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _tensorboard_writer(run_dir: Path, enabled: bool | None):
+    if enabled is False:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # torch's writer needs the tensorboard package
+        if enabled:
+            raise ConfigError("logging.tensorboard=true but the tensorboard package is not installed; "
+                              "pip install tensorboard (or set it to false / null)") from None
+        return None
+    return SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+
+def _start_wandb(run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
+    wandb = _require("wandb")
+    run = wandb.init(project="materl", name=name, dir=str(run_dir), config=dict(config or {}))
+    return run if run is not None else wandb
+
+
+def _start_mlflow(config: Mapping[str, Any] | None, name: str | None):
+    mlflow = _require("mlflow")
+    mlflow.start_run(run_name=name)
+    if config:
+        mlflow.log_params(_flatten(config))
+    return mlflow
+
+
+def _require(package: str):
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise ConfigError(f"logging.{package}=true but {package} is not installed; pip install {package} "
+                          f"(or set logging.{package}: false)") from None
+
+
+def _mlflow_key(key: str) -> str:
+    return "".join(c if c.isalnum() or c in "_-./ " else "_" for c in key)
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in d.items():
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = str(v)[:500]  # mlflow caps parameter values
+    return out
+
+
+# ----------------------------------------------------------------------------- episodes
+
+
+def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str, Any] | None = None) -> str:
+    """A readable rendering of a :class:`materl.rollout.types.Rollout`: the prompt, each turn
+    (generated text, tool calls, malformed calls), each tool result or error, step rewards, the
+    episode error, and ``metrics`` (e.g. an episode's ``reward/<component>`` values).
+
+    ``tokenizer`` decodes token ids when a step (or the prompt) carries no text.
+    """
+    if rollout is None:
+        return "(no rollout)"
+    lines = [f"PROMPT: {_prompt_text(rollout, tokenizer)}"]
+    turn = 0
+    for step in rollout.steps:
+        if step.kind == "generate":
+            turn += 1
+            lines.append(f"--- turn {turn} · {_step_facts(step)} ---")
+            lines.append(_text(step, tokenizer))
+            for call in step.tool_calls:
+                if call.error:
+                    lines.append(f"  ! malformed tool call: {call.error} | raw: {_clip(call.raw)}")
+                else:
+                    lines.append(f"  > tool call {call.name}({json.dumps(call.arguments, ensure_ascii=False)})")
+        else:
+            lines.append(f"--- tool · {_step_facts(step)} ---")
+            for res in step.tool_results:
+                status = "ERROR" if res.is_error else "ok"
+                lines.append(f"  < {res.name} [{status}, {res.latency_s:.2f}s]: {_clip(res.content)}")
+            if not step.tool_results:
+                lines.append(_text(step, tokenizer))
+        if step.error:
+            lines.append(f"  ! step error: {step.error}")
+    rewards = [s.reward for s in rollout.steps if s.reward is not None]
+    if rewards:
+        lines.append(f"STEP REWARDS: {', '.join(f'{r:.3g}' for r in rewards)} (sum {sum(rewards):.3g})")
+    shown = {k: v for k, v in numeric(metrics or {}).items() if v is not None}
+    if shown:
+        lines.append("REWARDS: " + ", ".join(f"{k}={v:.3g}" for k, v in sorted(shown.items())))
+    if rollout.error:
+        lines.append(f"EPISODE ERROR: {rollout.error}")
+    return "\n".join(lines)
+
+
+def _prompt_text(rollout: Any, tokenizer: Any) -> str:
+    if rollout.prompt_text:
+        return rollout.prompt_text
+    if rollout.messages:
+        user = [m.get("content", "") for m in rollout.messages if m.get("role") == "user"]
+        if user:
+            return str(user[0])
+    if tokenizer is not None and rollout.prompt_ids:
+        return tokenizer.decode(rollout.prompt_ids, skip_special_tokens=False)
+    return f"({len(rollout.prompt_ids)} prompt tokens)"
+
+
+def _step_facts(step: Any) -> str:
+    facts = [f"{len(step.token_ids)} tokens"]
+    if step.finish_reason:
+        facts.append(f"finish={step.finish_reason}")
+    if step.reward is not None:
+        facts.append(f"reward={step.reward:.3g}")
+    if step.latency_s:
+        facts.append(f"{step.latency_s:.2f}s")
+    return ", ".join(facts)
+
+
+def _text(step: Any, tokenizer: Any) -> str:
+    if step.text:
+        return step.text
+    if tokenizer is not None and step.token_ids:
+        return tokenizer.decode(step.token_ids, skip_special_tokens=False)
+    return f"({len(step.token_ids)} tokens)"
+
+
+def _clip(text: str, limit: int = 500) -> str:
+    text = str(text).replace("\n", "\\n")
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more chars)"

@@ -1,0 +1,142 @@
+"""TrainConfig: YAML loading, dotted overrides, validation messages that name the field."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from materl.compile.options import CompileOptions
+from materl.errors import ConfigError
+from materl.runtime.config import (
+    TrainConfig, apply_override, config_to_dict, load_config, recipe_choices, validate_config,
+)
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+
+def write(tmp_path, data) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_example_configs_load():
+    tiny = load_config(EXAMPLES / "tiny_grpo.yaml")
+    assert (tiny.model.name, tiny.recipe, tiny.compile["group_size"]) == ("tiny-random", "grpo", 2)
+    assert [(r.name, r.weight) for r in tiny.rewards] == [("length", 0.1), ("diversity", 0.9)]
+    calc = load_config(EXAMPLES / "calculator_grpo.yaml")
+    assert calc.recipe == "grpo_tools"
+    assert calc.model.name == "smollm2-135m-instruct"
+    assert calc.tools == ["python -m materl.tools.calculator"]
+    assert calc.data.source == "arithmetic"
+
+
+def test_defaults_and_compile_options():
+    cfg = validate_config({"train": {"seed": 7}, "compile": {"group_size": 3, "betas": [0.8, 0.9]}})
+    assert cfg.train.steps == 100 and cfg.train.lr_schedule == "constant" and cfg.ref_model.name is None
+    opts = cfg.compile_options()
+    assert isinstance(opts, CompileOptions)
+    # seed defaults to train.seed; YAML lists become the tuple CompileOptions wants
+    assert (opts.group_size, opts.seed, opts.betas) == (3, 7, (0.8, 0.9))
+    assert validate_config({"train": {"seed": 7}, "compile": {"seed": 1}}).compile_options().seed == 1
+
+
+def test_overrides_parse_yaml_scalars(tmp_path):
+    path = write(tmp_path, {"recipe": "grpo", "rewards": [{"name": "length"}], "train": {"steps": 10}})
+    cfg = load_config(path, ["train.steps=3", "compile.lr=1e-5", "logging.wandb=false",
+                             "rewards.0.weight=0.5", "train.resume=null", "model.lora={r: 4}",
+                             "train.run_dir=/tmp/x y"])
+    assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
+    assert cfg.compile == {"lr": 1e-5}  # YAML 1e-5 -> float (compile section created on the fly)
+    assert cfg.logging.wandb is False and cfg.rewards[0].weight == 0.5 and cfg.train.resume is None
+    assert cfg.model.lora == {"r": 4} and cfg.train.run_dir == "/tmp/x y"
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("train.steps", "section.key=value"),
+    ("rewards.3.weight=1", "'rewards.3' is not an index of a list of 1 items"),
+    ("recipe.x=1", "'recipe' is a value, not a section"),
+])
+def test_bad_overrides(item, needle):
+    data = {"recipe": "grpo", "rewards": [{"name": "length"}]}
+    with pytest.raises(ConfigError) as e:
+        apply_override(data, item)
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("override, needles", [
+    ("train.steps=0", ["train.steps=0", ">= 1"]),
+    ("train.batch_size=-2", ["train.batch_size=-2", ">= 1"]),
+    ("train.keep_last=0", ["train.keep_last", ">= 1"]),
+    ("train.lr_schedule=exp", ["train.lr_schedule='exp'", "'constant', 'linear' or 'cosine'"]),
+    ("train.stpes=3", ["train.stpes", "did you mean 'steps'", "valid keys: steps, batch_size"]),
+    ("train.warmup_steps=50", ["warmup_steps=50", "steps=10", "0 <= warmup_steps <= steps"]),
+    ("train.steps=abc", ["train.steps", "valid integer", "'abc'"]),
+    ("recipe=grpp", ["recipe", "'grpp'", "did you mean 'grpo'", "grpo_tools"]),
+    ("rewards.0.name=lenght", ["rewards.0.name", "did you mean 'length'", "exact_match"]),
+    ("rewards.0.wieght=1", ["rewards.0.wieght", "valid keys: name, weight, params"]),
+    ("compile.group_size=0", ["compile.group_size=0", "[1, inf]"]),
+    ("compile.gruop_size=2", ["compile", "'gruop_size'", "did you mean 'group_size'"]),
+    ("compile.kernels=cuda", ["compile.kernels='cuda'", "auto, torch, mojo"]),
+    ("model.name=gpt5", ["model.name", "'gpt5'", "tiny-random"]),
+    ("model.head=policy", ["model.head='policy'", "'value'"]),
+    ("model.lora={rank: 4}", ["model.lora", "'rank'", "r, alpha, dropout, targets"]),
+    ("tools=['ftp://host/mcp']", ["tools[0]", "http://, https://"]),
+    ("data.source=missing.jsonl", ["data.source", "'missing.jsonl'", "not found", "arithmetic"]),
+    ("logging.samples_every=-1", ["logging.samples_every=-1", ">= 0"]),
+])
+def test_bad_values_name_the_field_and_the_choices(tmp_path, override, needles):
+    path = write(tmp_path, {"recipe": "grpo", "rewards": [{"name": "length"}], "train": {"steps": 10}})
+    with pytest.raises(ConfigError) as e:
+        load_config(path, [override])
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))
+
+
+def test_several_errors_are_all_reported():
+    with pytest.raises(ConfigError) as e:
+        validate_config({"train": {"steps": 0, "batch_size": 0}})
+    assert "2 errors" in str(e.value) and "train.steps=0" in str(e.value) and "train.batch_size=0" in str(e.value)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml")
+    (tmp_path / "bad.yaml").write_text("train: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of sections, got list"):
+        load_config(tmp_path / "list.yaml")
+
+
+def test_data_source_relative_to_config_file(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text('{"prompt": "hi"}\n')
+    path = write(tmp_path, {"data": {"source": "data/train.jsonl"}})
+    monkeypatch.chdir("/")  # not found from the working directory: found next to the config
+    assert load_config(path).data.source == str(tmp_path / "data" / "train.jsonl")
+
+
+def test_config_to_dict_round_trips():
+    cfg = validate_config({"rewards": [{"name": "length", "weight": 0.2}], "compile": {"lr": 1e-4},
+                           "model": {"lora": {"r": 8}}})
+    d = config_to_dict(cfg)
+    assert d["rewards"] == [{"name": "length", "weight": 0.2, "params": {}}]
+    assert d["train"]["steps"] == 100 and d["logging"]["tensorboard"] is None
+    assert yaml.safe_load(yaml.safe_dump(d)) == d  # plain data
+    assert validate_config(d) == cfg
+
+
+def test_recipe_choices_include_builtins_and_tool_recipes():
+    import materl.recipes
+
+    assert set(materl.recipes.names()) <= set(recipe_choices()) and "grpo_tools" in recipe_choices()
+    assert isinstance(TrainConfig().recipe, str)
+
+
+def test_yaml_exponent_floats(tmp_path):
+    # PyYAML (YAML 1.1) reads "1e-5" as a string; configs read it as the float it means
+    (tmp_path / "c.yaml").write_text("compile:\n  lr: 1e-5\n  temperature: 7E-1\ntrain:\n  run_dir: 1e5x\n")
+    cfg = load_config(tmp_path / "c.yaml")
+    assert cfg.compile == {"lr": 1e-5, "temperature": 0.7} and cfg.train.run_dir == "1e5x"
