@@ -7,21 +7,53 @@
 
     step = ml.compile(grpo, policy=ml.Agent("smollm2-135m-instruct", trainable=True), ...)
     metrics = step.run(prompts=batch)
+
+Public names load on first use, so ``python -m materl.tools.calculator`` (a tool server) does
+not pay for importing torch.
 """
+
+from importlib import import_module
 
 from materl.errors import *  # noqa: F403
 from materl.registry import Registry
-from materl.graph.node import Node, Recipe
-from materl.graph.trace import Value
-from materl.graph.recipe import algorithm, recipe, replace, transform, with_kl
-from materl.graph.custom import op
-from materl.graph.constructors import (
-    add_loss, advantages, call_tools, cispo_loss, clip_cov_loss, dpo_loss, filter_groups, gae_advantages, generate,
-    generate_step, gpg_loss, grpo_loss, gspo_loss, kl_cov_loss, logprobs, policy_loss, ppo_loss,
-    reinforce_loss, reward, sapo_loss, set_loss, structure_rollout, value_loss, values,
-)
-from materl.compile.compiled import Compiled, compile  # noqa: A004
-from materl.rollout.mcp import MCPServer, Toolbox, mcp_tools
-from materl.agent import Agent
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "materl.graph.node": ["Node", "Recipe"],
+    "materl.graph.trace": ["Value"],
+    "materl.graph.recipe": ["algorithm", "recipe", "replace", "transform", "with_kl"],
+    "materl.graph.custom": ["op"],
+    "materl.graph.constructors": [
+        "add_loss", "advantages", "call_tools", "cispo_loss", "clip_cov_loss", "dpo_loss", "filter_groups",
+        "gae_advantages", "generate", "generate_step", "gpg_loss", "grpo_loss", "gspo_loss", "kl_cov_loss",
+        "logprobs", "policy_loss", "ppo_loss", "reinforce_loss", "reward", "sapo_loss", "set_loss",
+        "structure_rollout", "value_loss", "values",
+    ],
+    "materl.compile.compiled": ["Compiled", "compile"],
+    "materl.agent": ["Agent"],
+    "materl.rollout.mcp": ["MCPServer", "Toolbox", "mcp_tools"],
+    "materl.rollout.env": ["Environment", "env_rollout"],
+    "materl.runtime.train": ["train"],
+    "materl.runtime.evaluate": ["evaluate"],
+    "materl.runtime.export": ["export"],
+    "materl.kernels.user_ops": ["mojo_op"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+_SUBMODULES = {"kernels", "ops", "recipes", "benchmark", "tools"}
+
+__all__ = sorted(_WHERE) + ["Registry", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return import_module(f"materl.{name}")
+    raise AttributeError(f"module 'materl' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

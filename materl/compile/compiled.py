@@ -53,14 +53,7 @@ class Compiled:
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
         self._portal = self._portal_cm = None
-        self.optimizers = {
-            name: torch.optim.AdamW(
-                [p for p in a.parameters() if p.requires_grad],
-                lr=(options.value_lr or options.lr) if getattr(a, "head", None) == "value" else options.lr,
-                betas=options.betas, weight_decay=options.weight_decay,
-            )
-            for name, a in agents.items() if a.trainable
-        }
+        self.optimizers = {name: self._optimizer(a) for name, a in agents.items() if a.trainable}
         self.references = self._reference_pairs()
         torch.manual_seed(options.seed)
 
@@ -75,12 +68,12 @@ class Compiled:
         return self.call_blocking(self.arun, prompts, **columns)
 
     def call_blocking(self, fn, *args, **kwargs):
-        try:
-            import sniffio
+        import asyncio
 
-            sniffio.current_async_library()
+        try:
+            asyncio.get_running_loop()
             inside = True
-        except Exception:
+        except RuntimeError:
             inside = False
         if inside:
             raise CompileError(f"compiled.{fn.__name__.lstrip('a')}() was called inside an event loop; "
@@ -225,6 +218,14 @@ class Compiled:
             opt.step()
             opt.zero_grad(set_to_none=True)
         return max(norms, default=0.0)
+
+    def _optimizer(self, agent) -> torch.optim.Optimizer:
+        o = self.options
+        params = [p for p in agent.parameters() if p.requires_grad]
+        lr = (o.value_lr or o.lr) if getattr(agent, "head", None) == "value" else o.lr
+        if o.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=lr, weight_decay=o.weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay)
 
     def _reference_pairs(self) -> list:
         """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one."""

@@ -44,6 +44,12 @@ def choose(plan, node: Node) -> str:
     if table is None:
         raise CompileError(f"node {node.name!r}: no implementation of op {node.op!r}; ops: {', '.join(sorted(IMPLS))}")
     want = plan.options.kernels
+    if node.op == "call" and "_mojo" in node.params:
+        try:
+            node.params["fn"].materl_kernel()
+        except Exception as e:
+            raise CompileError(f"node {node.name!r}: Mojo kernel {node.params['_mojo']!r} failed to load: {e}") from e
+        return "mojo (user kernel)"
     if node.op == "policy_loss" and want in ("auto", "mojo"):
         from materl.compile import kernel_impls
 
@@ -164,3 +170,4 @@ register("call_tools", "mcp", episode=call_tools)
 register("generate_step", "engine", episode=generate_step_impl)
 register("structure_rollout", "python", episode=structure_rollout)
 register("call", "python", episode=call_episode, batch=call_group)
+IMPLS["call"]["mojo (user kernel)"] = IMPLS["call"]["python"]

@@ -263,8 +263,8 @@ def preference_loss_fn(learner: Learner, node: Node, sub, idx, get, denoms):
     if len(seqs) == 2:  # reference-free (SimPO)
         seqs += [torch.zeros_like(seqs[0]), torch.zeros_like(seqs[0])]
     out = fn(*seqs, **params)
-    loss = out.losses.sum() / counts["seqs"]
-    margin = (out.chosen_rewards - out.rejected_rewards).detach()
+    loss = out.losses_B.sum() / counts["seqs"]
+    margin = (out.chosen_rewards_B - out.rejected_rewards_B).detach()
     return loss, {"accuracy": float((margin > 0).float().mean()), "margin": float(margin.mean())}
 
 

@@ -23,6 +23,7 @@ class CompileOptions:
     system_prompt: str | None = None
     # learner
     lr: float = 1e-6
+    optimizer: str = "adamw"  # adamw, sgd
     value_lr: float | None = None  # default: lr
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -58,6 +59,8 @@ class CompileOptions:
             ):
                 rng = f"[{lo}, {'inf' if hi is None else hi}]"
                 raise ConfigError(f"compile option {name}={v!r} is out of range; accepted: {rng}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ConfigError(f"compile option optimizer={self.optimizer!r}; accepted: adamw, sgd")
         if self.kernels not in ("auto", "torch", "mojo"):
             raise ConfigError(f"compile option kernels={self.kernels!r}; accepted: auto, torch, mojo")
 

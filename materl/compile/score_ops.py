@@ -104,7 +104,7 @@ def _reward_batch(eps: list[Episode], rollouts: list[Rollout], steps: list[Step 
         ids = [list(s.token_ids) if s is not None else [] for s in steps]
     else:
         completions = [r.text for r in rollouts]
-        ids = [[t for s in r.steps if s.kind == "generate" for t in s.token_ids] for r in rollouts]
+        ids = [r.completion_ids for r in rollouts]  # token-level rewards align with these
     columns: dict[str, list] = {}
     for ep in eps:
         for k in ep.columns:

@@ -141,14 +141,20 @@ def _as_results(responses: Any, calls: list[ToolCall]) -> list[ToolResult]:
 
 def append_tool_results(tokenizer, state: EpisodeState, results: list[ToolResult]) -> EpisodeState:
     """Close the assistant turn and add the tool turn(s): only the new glue text is tokenized."""
+    messages = [{"role": "tool", "name": r.name, "content": r.content, "tool_call_id": r.call_id} for r in results]
+    return append_turn(tokenizer, state, messages, results=results)
+
+
+def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
+                results: list[ToolResult] = ()) -> EpisodeState:
+    """Close the assistant turn and add ``new_messages`` (tool results, or an environment's
+    observation as a user turn) as one untrained step; only the new glue text is tokenized."""
     last = state.last_step
     suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
     eos_text = tokenizer.decode(last.token_ids[-1:]) if last and last.token_ids else ""
     closing = suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
     before = render(tokenizer, state.messages, tools=state.tools, add_generation_prompt=False)
-    messages = state.messages + [
-        {"role": "tool", "name": r.name, "content": r.content, "tool_call_id": r.call_id} for r in results
-    ]
+    messages = state.messages + list(new_messages)
     after = render(tokenizer, messages, tools=state.tools, add_generation_prompt=True)
     if not after.startswith(before):
         raise EngineError("the chat template re-renders earlier turns when a tool turn is added; "
@@ -157,7 +163,7 @@ def append_tool_results(tokenizer, state: EpisodeState, results: list[ToolResult
     step = Step("tool", ids, [], text=closing + after[len(before):], tool_results=list(results),
                 latency_s=sum(r.latency_s for r in results),
                 error="; ".join(r.content for r in results if r.is_error) or None,
-                metadata={"tools": [r.name for r in results]})
+                metadata={"tools": [r.name for r in results]} if results else {"roles": [m["role"] for m in new_messages]})
     return replace(state, ids=state.ids + ids, messages=messages, steps=state.steps + [step])
 
 
