@@ -13,13 +13,14 @@ calling convention a kernel follows is in ``materl/kernels/fusion.py``.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 from materl.graph.custom import Op, _annotated_outputs
 
 
 def _as_kernel_arg(x):
-    from materl.compile.values import RolloutBatch
+    from materl.compiler.values import RolloutBatch
 
     if isinstance(x, RolloutBatch):
         return [r.completion_ids for r in x]
@@ -38,9 +39,12 @@ def mojo_op(path: str, *, outputs: Sequence[str] | None = None, fn_name: str | N
 
             return load_user_kernel(path, name, list(outs))
 
+        signature = inspect.signature(fn)
+
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            result = kernel()(*[_as_kernel_arg(a) for a in args], **{k: _as_kernel_arg(v) for k, v in kwargs.items()})
+            ordered = signature.bind(*args, **kwargs).arguments.values()  # the kernel takes them in order
+            result = kernel()(*[_as_kernel_arg(a) for a in ordered])
             return {k: v.float() for k, v in result.items()}
 
         run.materl_kernel = kernel  # the compiler builds it at compile time

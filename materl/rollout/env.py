@@ -155,7 +155,7 @@ def env_rollout(agent, env: Callable[[], Environment], prompts, *, max_turns: in
 
 
 async def _env_rollout_impl(rt, node, ep, prompt):
-    from materl.compile.impls import sampling
+    from materl.compiler.impls import sampling
 
     agent = rt.agents[node.agents[0]]
     env = node.params["env"]()
@@ -165,7 +165,7 @@ async def _env_rollout_impl(rt, node, ep, prompt):
 
 
 def _register() -> None:
-    from materl.compile.impls import register
+    from materl.compiler.impls import register
 
     register("env_rollout", "engine", episode=_env_rollout_impl)
 

@@ -2,7 +2,7 @@
 
     cfg = load_config("examples/configs/tiny_grpo.yaml", overrides=["train.steps=3", "compile.lr=1e-5"])
     cfg.train.steps                    # 3
-    cfg.compile_options()              # materl.compile.options.CompileOptions
+    cfg.compile_options()              # materl.compiler.options.CompileOptions
     config_to_dict(cfg)                # plain dict (saved into checkpoints)
 
 Sections: ``model``, ``ref_model``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
@@ -185,7 +185,7 @@ class TrainConfig(_Section):
     @field_validator("compile")
     @classmethod
     def _compile_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from materl.compile.options import CompileOptions
+        from materl.compiler.options import CompileOptions
 
         try:
             CompileOptions.from_kwargs(**v)
@@ -195,8 +195,8 @@ class TrainConfig(_Section):
         return v
 
     def compile_options(self):
-        """The validated :class:`~materl.compile.options.CompileOptions` (seed defaults to train.seed)."""
-        from materl.compile.options import CompileOptions
+        """The validated :class:`~materl.compiler.options.CompileOptions` (seed defaults to train.seed)."""
+        from materl.compiler.options import CompileOptions
 
         return CompileOptions.from_kwargs(**{"seed": self.train.seed, **self.compile})
 

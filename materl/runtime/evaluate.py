@@ -53,8 +53,8 @@ def evaluate(agent, dataset: Any, rewards: list, *, tools=None, max_turns: int =
     read). ``rewards``: names, callables, ``(name, weight)`` pairs or ops ``Reward`` objects.
     With ``tools`` (a Toolbox), episodes are multi-turn with up to ``max_turns`` model turns."""
     import materl as ml
-    from materl.compile.compiled import Compiled
-    from materl.compile.options import CompileOptions
+    from materl.compiler.compiled import Compiled
+    from materl.compiler.options import CompileOptions
     from materl.runtime.data import load_rows
 
     terms = [_term(r) for r in rewards]

@@ -116,7 +116,7 @@ def build_from_config(cfg):
 
     import materl as ml
     import materl.recipes
-    from materl.compile.compiled import Compiled
+    from materl.compiler.compiled import Compiled
 
     recipe = _recipe_from_config(cfg)
     agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from materl.compile.values import Episode, RolloutBatch, collate, resolve, to_tensor
+from materl.compiler.values import Episode, RolloutBatch, collate, resolve, to_tensor
 from materl.engines.base import SamplingParams
 from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Node
@@ -50,8 +50,19 @@ def choose(plan, node: Node) -> str:
         except Exception as e:
             raise CompileError(f"node {node.name!r}: Mojo kernel {node.params['_mojo']!r} failed to load: {e}") from e
         return "mojo (user kernel)"
+    if node.op == "rewards" and want in ("auto", "mojo"):
+        from materl.compiler.score_ops import fusable_terms, reward_chain
+
+        if fusable_terms(node):
+            try:
+                reward_chain(plan, node).kernel()  # built (and cached) now, at compile time
+                return "mojo-fused"
+            except Exception as e:
+                if want == "mojo":
+                    raise CompileError(f"node {node.name!r}: kernels='mojo' but the reward chain failed: {e}") from e
+        return "python"
     if node.op == "policy_loss" and want in ("auto", "mojo"):
-        from materl.compile import kernel_impls
+        from materl.compiler import kernel_impls
 
         ok, why = kernel_impls.supports(node)
         if ok:

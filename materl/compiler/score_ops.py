@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
-from materl.compile.impls import register
-from materl.compile.values import Episode, pad_rows, to_tensor
+from materl.compiler.impls import register
+from materl.compiler.values import Episode, pad_rows, to_tensor
 from materl.errors import CompileError
 from materl.graph.node import Node
 from materl.rollout.episode import EpisodeState, StepResult
@@ -45,22 +46,67 @@ def _step_index(r: Rollout, step: Step | None) -> int | None:
     return None
 
 
-async def rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> list:
-    """Weighted sum of the node's terms for each episode: a float, or a per-token list when a
-    term is step-level (its reward on its step's last token) or token-level."""
-    from materl.ops.rewards import Reward
+def fusable_terms(node: Node) -> list[int]:
+    """Indices of the terms a fused Mojo reward chain can compute: built-in kernel rewards
+    scoring the same rollout (not a step)."""
+    from materl.kernels.fusion import fusable
 
+    terms = node.params["terms"]
+    idx = [i for i, t in enumerate(terms) if isinstance(t.get("fn"), str) and "step" not in t
+           and "rollout" in t and fusable(t["fn"], t.get("params", {}))]
+    return [i for i in idx if terms[i]["rollout"] == terms[idx[0]]["rollout"]] if idx else []
+
+
+def reward_chain(plan, node: Node):
+    """The node's fused chain (unit weights: each part is the unweighted reward), built once per plan."""
+    from materl.kernels.fusion import RewardChain
+
+    cache = plan.__dict__.setdefault("_reward_chains", {})
+    if node.name not in cache:
+        terms = node.params["terms"]
+        cache[node.name] = RewardChain([(terms[i]["fn"], terms[i].get("params", {}), 1.0) for i in fusable_terms(node)])
+    return cache[node.name]
+
+
+async def fused_rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) -> list:
+    """The fusable terms in one Mojo kernel call over ``eps``; the other terms as in rewards_batch."""
+    from materl.kernels.rewards import pad_ids
+
+    fused = fusable_terms(node)
+    terms = node.params["terms"]
+    rollouts = [as_rollout(x) for x in inputs[terms[fused[0]]["rollout"]]]
+    _, parts = reward_chain(rt.plan, node)(*pad_ids([r.completion_ids for r in rollouts]))
+    scores = list(parts.values())
+    base = [0.0] * len(eps)
+    for k, i in enumerate(fused):
+        label = f"reward/{terms[i]['label']}"
+        for e, ep in enumerate(eps):
+            ep.metrics[label] = ep.metrics.get(label, 0.0) + float(scores[k][e])
+            base[e] += terms[i]["weight"] * float(scores[k][e])
+    rest = [t for i, t in enumerate(terms) if i not in fused]
+    return await rewards_batch(rt, node, eps, inputs, terms=rest, base=base)
+
+
+async def fused_rewards_episode(rt, node: Node, ep: Episode, *values):
+    return (await fused_rewards_batch(rt, node, [ep], [[v] for v in values]))[0]
+
+
+async def rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list], *, terms: list | None = None,
+                        base: list[float] | None = None) -> list:
+    """Weighted sum of the node's terms for each episode: a float, or a per-token list when a
+    term is step-level (its reward on its step's last token) or token-level. ``terms``/``base``:
+    a subset of the terms, added to already computed outcome rewards (the fused path)."""
     n = len(eps)
-    outcome = [0.0] * n
+    outcome = list(base) if base is not None else [0.0] * n
     per_token: list[list[float] | None] = [None] * n
-    for term in node.params["terms"]:
+    for term in node.params["terms"] if terms is None else terms:
         rollouts = [as_rollout(x) for x in inputs[term["rollout"]]] if "rollout" in term else None
         if "input" in term:
             scores = to_tensor(inputs[term["input"]], n)
         else:
             steps = [x.step if isinstance(x, StepResult) else None for x in inputs[term["step"]]] if "step" in term else None
             batch = _reward_batch(eps, rollouts, steps)
-            scores = await Reward.from_spec(term["fn"], **term["params"]).ascore(**batch)
+            scores = await _reward_of(term).ascore(**batch)
         w = term["weight"]
         for i, ep in enumerate(eps):
             row = scores[i]
@@ -89,6 +135,26 @@ async def rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) 
             tokens[last_trainable(r)] += outcome[i]
         out.append(tokens)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_reward(fn, params: tuple):
+    from materl.ops.rewards import Reward
+
+    return Reward.from_spec(fn, **{k: v for k, _, v in params})
+
+
+def _reward_of(term: dict):
+    """The term's ``Reward``, built once per (fn, params) when every parameter is a plain scalar:
+    a Reward is frozen, and building one inspects the function's signature (~20 us, paid per
+    episode per term per step before; benchmarks/overhead.py)."""
+    from materl.ops.rewards import Reward
+
+    fn, items = term["fn"], sorted(term["params"].items())
+    if getattr(fn, "__hash__", None) is not None and all(v is None or type(v) in (str, int, float, bool)
+                                                         for _, v in items):
+        return _cached_reward(fn, tuple((k, type(v), v) for k, v in items))
+    return Reward.from_spec(fn, **term["params"])
 
 
 def _first_rollout(node: Node, inputs: list[list], i: int):
@@ -161,5 +227,6 @@ def filter_groups_batch(rt, node: Node, eps: list[Episode], inputs: list[list]) 
 
 
 register("rewards", "python", episode=rewards_episode, batch=rewards_batch)
+register("rewards", "mojo-fused", episode=fused_rewards_episode, batch=fused_rewards_batch)
 register("advantages", "torch", batch=advantages_batch)
 register("filter_groups", "python", batch=filter_groups_batch)

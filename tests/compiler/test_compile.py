@@ -215,3 +215,63 @@ def test_dpo_learns_the_preferred_answer(tiny):
         last = step.run(pairs=pairs)
     assert first["dpo_loss/accuracy"] <= 0.5 + 1e-9 and last["dpo_loss/accuracy"] == 1.0
     assert last["loss"] < first["loss"]
+
+
+@pytest.mark.mojo
+def test_fused_reward_chain_equals_unfused(tiny):
+    pytest.importorskip("mojo")
+    from materl.kernels import loader
+
+    if loader.disabled():
+        pytest.skip("Mojo disabled")
+    results = []
+    for kernels in ("torch", "auto"):
+        step = ml.compile(grpo, **agents_for(grpo, tiny), group_size=4, max_new_tokens=8, kernels=kernels)
+        fused = "mojo-fused" in step.explain()
+        assert fused == (kernels == "auto")
+        m = step.run(prompts=["a", "b"])
+        results.append({k: m[k] for k in ("reward", "reward/length/mean", "reward/diversity/mean", "loss")})
+    assert "fused: length + diversity in %rewards" in step.explain()
+    assert results[0] == pytest.approx(results[1], abs=1e-6)
+
+
+@pytest.mark.mojo
+def test_seed_custom_penalty_recipe_with_a_mojo_op(tiny, tmp_path):
+    pytest.importorskip("mojo")
+    from materl.kernels import loader
+
+    if loader.disabled():
+        pytest.skip("Mojo disabled")
+
+    @ml.mojo_op(path="kernels/repetition_penalty.mojo")
+    def repetition_penalty(completions: torch.Tensor) -> {"penalty_scores": torch.Tensor}:
+        pass
+
+    @ml.recipe
+    def custom_penalty_rl(policy, ref_policy, prompts):
+        completions = ml.generate(policy, prompts)
+        rewards = ml.reward("length") - repetition_penalty(completions)
+        advantages = ml.advantages(rewards)
+        lp = ml.logprobs(policy, prompts, completions)
+        ml.set_loss(ml.grpo_loss(advantages, lp, ml.logprobs(ref_policy, prompts, completions)))
+
+    step = ml.compile(custom_penalty_rl, **agents_for(custom_penalty_rl, tiny), group_size=2, max_new_tokens=6)
+    assert "mojo (user kernel)" in step.explain()
+    m = step.run(prompts=["a", "b"])
+    assert m["failed_episodes"] == 0 and "reward/repetition_penalty.penalty_scores/mean" in m
+
+    bad = tmp_path / "broken.mojo"
+    bad.write_text("@export\ndef broken(x: Int) abi(\"C\") -> Int:\n    return undefined_name\n")
+    for path, message in ((tmp_path / "missing.mojo", "missing.mojo"), (bad, "undefined_name")):
+        @ml.mojo_op(path=str(path), fn_name="broken")
+        def op(completions: torch.Tensor) -> {"s": torch.Tensor}:
+            pass
+
+        @ml.recipe
+        def r(policy, prompts):
+            c = ml.generate(policy, prompts)
+            adv = ml.advantages(ml.reward("length") + op(c))
+            ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
+
+        with pytest.raises(CompileError, match=f"(?s)node .op.: Mojo kernel .* failed to load: .*{message}"):
+            ml.compile(r, policy=tiny(trainable=True))

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from materl.compile.scheduler import run_batch_node, store
-from materl.compile.score_ops import as_rollout
-from materl.compile.values import Episode, collate, pad_rows, resolve, to_tensor
+from materl.compiler.scheduler import run_batch_node, store
+from materl.compiler.score_ops import as_rollout
+from materl.compiler.values import Episode, collate, pad_rows, resolve, to_tensor
 from materl.errors import CompileError
 from materl.graph.node import Node, ref_node
 from materl.rollout.episode import EpisodeState, encode
@@ -154,7 +154,7 @@ class Learner:
                 env[name], m = LOSS_FNS[node.op](self, node, sub, idx, get, denoms)
                 metrics.update({f"{k}" if "/" in k else f"{name}/{k}": v for k, v in m.items()})
             elif node.op == "call":
-                from materl.compile.impls import _call_args
+                from materl.compiler.impls import _call_args
 
                 env[name] = node.params["fn"](**_call_args(node, [get(r) for r in node.inputs if not r.startswith("@")]))
             else:
@@ -208,7 +208,7 @@ def _denom(agg: str, counts: dict) -> float | None:
 
 
 def policy_loss_fn(learner: Learner, node: Node, sub, idx, get, denoms):
-    from materl.compile.kernel_impls import policy_loss_for
+    from materl.compiler.kernel_impls import policy_loss_for
 
     logp_node = learner.plan.nodes[ref_node(node.inputs[1])]
     sb = learner.seq_batch(logp_node, learner.rt.last_episodes).rows(idx)
@@ -235,7 +235,7 @@ def value_loss_fn(learner: Learner, node: Node, sub, idx, get, denoms):
     else:
         rewards = to_tensor(get(node.inputs[1]), len(sub), width=values.shape[1])
         if rewards.dim() == 1:
-            from materl.compile.score_ops import _outcome_on_last_token
+            from materl.compiler.score_ops import _outcome_on_last_token
 
             rewards = _outcome_on_last_token(rewards, sb.mask)
         returns = discounted_returns(rewards, sb.mask, gamma=node.params["gamma"])
@@ -272,7 +272,7 @@ LOSS_FNS = {"policy_loss": policy_loss_fn, "value_loss": value_loss_fn, "prefere
 
 
 def _register_learner_ops() -> None:
-    from materl.compile.impls import register
+    from materl.compiler.impls import register
 
     register("logprobs", "torch-chunked")  # hidden states -> LM head in row chunks (ops.logprobs)
     register("values", "torch")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from materl.compile.options import CompileOptions
+from materl.compiler.options import CompileOptions
 from materl.errors import CompileError
 from materl.graph.lint import topo_order
 from materl.graph.node import Node, Recipe, ref_node
@@ -67,7 +67,7 @@ class Plan:
             terms = " + ".join(f"{w:g} * %{ref}" if w != 1 else f"%{ref}" for ref, w in self.recipe.losses)
             lines.append(f"  loss = {terms}")
         for group in self.fused:
-            lines.append(f"  fused: {' + '.join(group)} (one kernel call per batch)")
+            lines.append(f"  fused: {' + '.join(group[:-1])} {group[-1]} (one Mojo kernel call per group)")
         if self.pruned:
             lines.append(f"  pruned (unused): {', '.join(self.pruned)}")
         mb = o.micro_batch_size or "mini-batch"
@@ -101,7 +101,24 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *
     for name in plan.order:
         if nodes[name].op != "input":
             plan.impls[name] = impl_for(plan, nodes[name])
+    _batch_fused_rewards(plan)
     return plan
+
+
+def _batch_fused_rewards(plan: Plan) -> None:
+    """A fused reward chain runs once per group (one kernel call over the group's completions)
+    instead of once per episode, when no episode node reads it."""
+    for name in list(plan.episode):
+        if plan.impls.get(name) != "mojo-fused":
+            continue
+        if any(name in plan.nodes[other].input_nodes for other in plan.episode):
+            continue
+        plan.episode.remove(name)
+        plan.group.insert(0, name)
+        terms = plan.nodes[name].params["terms"]
+        from materl.compiler.score_ops import fusable_terms
+
+        plan.fused.append(tuple(terms[i]["label"] for i in fusable_terms(plan.nodes[name])) + (f"in %{name}",))
 
 
 def _resolve_defaults(recipe: Recipe, options: CompileOptions) -> dict[str, Node]:

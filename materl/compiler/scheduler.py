@@ -14,8 +14,8 @@ import traceback
 
 import anyio
 
-from materl.compile.impls import IMPLS
-from materl.compile.values import Episode, resolve, split
+from materl.compiler.impls import IMPLS
+from materl.compiler.values import Episode, resolve, split
 from materl.errors import StepTimeoutError
 
 

@@ -14,13 +14,13 @@ from typing import Any
 import anyio
 import torch
 
-import materl.compile.score_ops  # noqa: F401  (registers scoring implementations)
-from materl.compile.impls import choose
-from materl.compile.learner import Learner
-from materl.compile.options import CompileOptions
-from materl.compile.plan import make_plan
-from materl.compile.scheduler import rollout
-from materl.compile.values import Episode
+import materl.compiler.score_ops  # noqa: F401  (registers scoring implementations)
+from materl.compiler.impls import choose
+from materl.compiler.learner import Learner
+from materl.compiler.options import CompileOptions
+from materl.compiler.plan import make_plan
+from materl.compiler.scheduler import rollout
+from materl.compiler.values import Episode
 from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Recipe
 
@@ -249,7 +249,7 @@ class Compiled:
 
     def episode_rollout(self, ep: Episode):
         """The episode's rollout: the value of its last rollout-producing node."""
-        from materl.compile.score_ops import as_rollout
+        from materl.compiler.score_ops import as_rollout
 
         for name in reversed(self.plan.episode):
             if self.plan.nodes[name].op in ("structure_rollout", "generate", "generate_step") and name in ep.values:
