@@ -24,6 +24,8 @@ from materl.compiler.values import Episode
 from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Recipe
 
+ROLLOUT_OPS = ("structure_rollout", "env_rollout", "generate", "generate_step")
+
 
 def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the public name is ml.compile
     """Validate, prune, order, choose implementations and partition ``recipe`` into stages.
@@ -252,7 +254,7 @@ class Compiled:
         from materl.compiler.score_ops import as_rollout
 
         for name in reversed(self.plan.episode):
-            if self.plan.nodes[name].op in ("structure_rollout", "generate", "generate_step") and name in ep.values:
+            if self.plan.nodes[name].op in ROLLOUT_OPS and name in ep.values:
                 return as_rollout(ep.values[name])
         return None
 

@@ -87,7 +87,7 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *
         raise CompileError(
             f"compile: {recipe.where} needs agent(s) {', '.join(missing)}; got {', '.join(agents) or 'none'}"
         )
-    unknown = sorted(set(agents) - set(recipe.agents))
+    unknown = sorted(set(agents) - set(recipe.agents) - set(recipe.params))  # unused parameters are fine
     if unknown:
         raise CompileError(f"compile: {recipe.where} has no agent parameter(s) {', '.join(unknown)}; "
                            f"agents: {', '.join(recipe.agents)}")

@@ -125,15 +125,56 @@ async def rewards_batch(rt, node: Node, eps: list[Episode], inputs: list[list], 
                         per_token[i][t] += w * v
             else:
                 outcome[i] += w * float(row)
-    if all(p is None for p in per_token):
+    rollouts0 = [as_rollout(_first_rollout(node, inputs, i)) for i in range(n)] if any(
+        p is not None for p in per_token) or _discounted(node, inputs) else None
+    if rollouts0 is None:
         return outcome
     out = []
-    for i, ep in enumerate(eps):
-        r = as_rollout(_first_rollout(node, inputs, i))
+    for i, r in enumerate(rollouts0):
         tokens = per_token[i] if per_token[i] is not None else [0.0] * len(r.completion_ids)
         if tokens:
             tokens[last_trainable(r)] += outcome[i]
-        out.append(tokens)
+        gamma = r.metadata.get("turn_gamma")
+        out.append(turn_discounted(tokens, r, gamma) if gamma is not None else tokens)
+    return out
+
+
+def _discounted(node: Node, inputs: list[list]) -> bool:
+    try:
+        return any(as_rollout(x).metadata.get("turn_gamma") is not None for x in inputs[_rollout_input(node)])
+    except (CompileError, IndexError):
+        return False
+
+
+def _rollout_input(node: Node) -> int:
+    for term in node.params["terms"]:
+        if "rollout" in term:
+            return term["rollout"]
+    raise CompileError(f"rewards node {node.name!r} scores no rollout")
+
+
+def turn_discounted(tokens: list[float], r: Rollout, gamma: float) -> list[float]:
+    """Re-place per-token rewards so that every token of turn j has return-to-go
+    R_j = sum_{k >= j} gamma^(k-j) r_k, where r_k sums the rewards inside turn k (its generate step
+    and the tool tokens after it). Turn j's reward moves to its last trained token as
+    R_j - R_{j+1}; undiscounted estimators then see the turn-discounted returns."""
+    spans, start = [], 0
+    for s, end in zip(r.steps, r.step_ends):
+        if s.kind == "generate":
+            spans.append([start, end])
+        elif spans:
+            spans[-1][1] = end
+        start = end + 1
+    if not spans:
+        return tokens
+    per_turn = [sum(tokens[a:b + 1]) for a, b in spans]
+    returns = [0.0] * (len(spans) + 1)
+    for j in range(len(spans) - 1, -1, -1):
+        returns[j] = per_turn[j] + gamma * returns[j + 1]
+    gen_ends = [end for s, end in zip(r.steps, r.step_ends) if s.kind == "generate"]
+    out = [0.0] * len(tokens)
+    for j, end in enumerate(gen_ends):
+        out[end] = returns[j] - returns[j + 1]
     return out
 
 
