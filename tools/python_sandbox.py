@@ -119,19 +119,21 @@ def _walls(work, cpu, mem, fsize, nofile):
     sys.addaudithook(hook)
 _work, _code_file = sys.argv[1], sys.argv[2]
 _limits = [int(x) for x in sys.argv[3:7]]
-with open(_code_file, encoding="utf-8") as _f:
-    _source = _f.read()
-import linecache
-linecache.cache["main.py"] = (len(_source), None, _source.splitlines(True), "main.py")
+import runpy
 _walls(os.path.realpath(_work), *_limits)
 sys.argv = ["main.py"]
-del _walls, _work, _code_file, _limits, _f
+del _walls, _work, _limits
 try:
-    exec(compile(_source, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    runpy.run_path(_code_file, run_name="__main__")  # inside the limits and the audit hook set above
 except SystemExit:
     raise
 except BaseException as _e:
-    traceback.print_exception(type(_e), _e, _e.__traceback__.tb_next)
+    _frames = [f for f in traceback.extract_tb(_e.__traceback__) if f.filename == _code_file]
+    for _f in _frames:  # show the user's file as main.py, without the runner's frames
+        _f.filename = "main.py"
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("".join(traceback.format_list(_frames)), end="", file=sys.stderr)
+    print("".join(traceback.format_exception_only(type(_e), _e)), end="", file=sys.stderr)
     sys.exit(1)
 '''
 

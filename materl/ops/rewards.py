@@ -332,11 +332,8 @@ class _Arithmetic:
 
     __rmul__ = __mul__
 
-    def _scaled(self, k: float) -> Any:
-        raise NotImplementedError
-
-    async def _evaluate(self, batch: Mapping[str, Any], info: _BatchInfo) -> RewardScores:
-        raise NotImplementedError
+    # subclasses define _scaled(k) -> a copy scaled by k, and
+    # async _evaluate(batch, info) -> RewardScores
 
     async def aevaluate(self, **batch: Any) -> RewardScores:
         """Weighted total and unweighted components from one evaluation (each reward runs once)."""
