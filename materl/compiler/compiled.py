@@ -34,6 +34,11 @@ def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the publ
         raise CompileError(f"ml.compile needs a recipe (from @ml.recipe or @ml.algorithm), got {type(recipe).__name__}")
     agents = {k: v for k, v in kwargs.items() if k in recipe.agents or _is_agent(v)}
     options = CompileOptions.from_kwargs(**{k: v for k, v in kwargs.items() if k not in agents})
+    if options.cuda_graphs:
+        # Not silently ignored: the captured learner step has not been built and measured yet
+        # (it needs a GPU, and none was available to develop it on).
+        raise CompileError("cuda_graphs=True: CUDA-graph replay of the learner step is not available in this "
+                           "build; compile with cuda_graphs=False (the default)")
     return Compiled(recipe, agents, options)
 
 

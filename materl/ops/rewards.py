@@ -226,21 +226,24 @@ async def _call(reward: Reward, batch: Mapping[str, Any], info: _BatchInfo) -> T
             f"reward {reward.name!r}: parameter(s) {clash} also arrive as batch columns; rename one of them"
         )
     kwargs = {**batch, **reward.params}
-    sig = _signature(reward.fn)
-    if sig is not None:
-        try:
-            sig.bind(**kwargs)
-        except TypeError as e:
-            raise RewardError(
-                f"reward {reward.name!r} cannot take this batch ({e}); it is called with the keywords "
-                f"{', '.join(sorted(kwargs))}: declare the ones it needs and end with **kwargs"
-            ) from None
     try:
         out = reward.fn(**kwargs)
         if inspect.isawaitable(out):
             out = await out
     except MaterlError:
         raise
+    except TypeError as e:
+        # the signature is checked only when a call fails, keeping it off the per-episode hot path
+        sig = _signature(reward.fn)
+        try:
+            if sig is not None:
+                sig.bind(**kwargs)
+        except TypeError as bind_error:
+            raise RewardError(
+                f"reward {reward.name!r} cannot take this batch ({bind_error}); it is called with the keywords "
+                f"{', '.join(sorted(kwargs))}: declare the ones it needs and end with **kwargs"
+            ) from None
+        raise RewardError(f"reward {reward.name!r} raised TypeError: {e}") from e
     except Exception as e:
         raise RewardError(f"reward {reward.name!r} raised {type(e).__name__}: {e}") from e
     return _as_scores(reward.name, out, info)
