@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from materl.compile.options import CompileOptions
+from materl.compiler.options import CompileOptions
 from materl.errors import ConfigError
 from materl.runtime.config import (
     TrainConfig, apply_override, config_to_dict, load_config, recipe_choices, validate_config,
