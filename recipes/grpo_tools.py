@@ -5,65 +5,78 @@ model may emit ``<tool_call>{"name": "calculate", "arguments": {...}}</tool_call
 runs on an MCP server, its result is appended as exact tokens, and the model continues. Tool
 output and prompts are never trained on (loss mask 0).
 
-Rewards: a step-level reward on the first turn for a well-formed tool call (it lands on that
-step's last token, so it credits the tokens that produced the call), an outcome reward for the
-final answer (exact match against the ``answer`` column, on the last token), and a small
-tool-success term. Advantages are GRPO's over the token-level returns (see ops.advantages).
+Rewards: the final answer (exact match of its last number against the ``answer`` column) and
+the fraction of tool calls that succeeded, on the episode's last token; and whether the first
+turn made a well-formed tool call (-0.5 for a malformed one) as a STEP reward on turn 1's last
+token (``format_as_step=True``, the default), or as an outcome term (``False``). Advantages are
+GRPO's (Shao et al. 2024, arXiv:2402.03300) over the summed reward; the loss is the clipped
+surrogate averaged over tokens (DAPO's token mean), with an optional k3 KL to the reference.
+
+Differences from the canonical GRPO: multi-turn episodes with tool output masked out; no KL by
+default (``kl_coef=0``, as in DAPO and Dr. GRPO; the reference forward is then skipped).
+With ``format_as_step=False`` every term is an outcome and GRPO's group statistics are those of
+the summed reward; the demo (examples/calculator_tool_rl.py) was tuned that way.
+
+``show_schemas=False`` keeps the tools' JSON schemas out of the chat template (the system
+prompt then has to describe the tools); the calculator's schema block is ~230 tokens per row,
+which on a CPU more than doubles the learner's cost for a short prompt.
 
 Build it with a toolbox: ``grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"))``.
 """
 
+import re
+
 import materl as ml
-from materl.ops.rewards import REWARDS
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def tool_call_format(*, rollouts, **_):
-    """1 if the scored step made at least one well-formed tool call, -0.5 for malformed ones, else 0."""
+    """1 if the episode's first turn made a well-formed tool call, -0.5 for a malformed one, else 0."""
     out = []
     for r in rollouts:
         calls = r.steps[0].tool_calls if r.steps and r.steps[0].kind == "generate" else []
-        if any(c.error for c in calls):
-            out.append(-0.5)
-        else:
-            out.append(1.0 if calls else 0.0)
+        out.append(-0.5 if any(c.error for c in calls) else 1.0 if calls else 0.0)
     return out
 
 
 def final_answer(*, completions, answer, **_):
-    """1 if the final answer's last number equals the gold answer."""
-    import re
-
+    """1 if the last number of the final turn equals the gold answer (commas ignored)."""
     out = []
     for text, gold in zip(completions, answer):
-        nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?", text or "")
+        nums = _NUMBER.findall(text or "")
         got = nums[-1].replace(",", "") if nums else None
         out.append(1.0 if got is not None and got == str(gold).replace(",", "") else 0.0)
     return out
 
 
-def grpo_tools_recipe(toolbox, *, turns: int = 3, format_weight: float = 0.2, answer_weight: float = 1.0,
-                      success_weight: float = 0.1, kl_coef: float = 0.0):
-    """The recipe for a given toolbox (tools are part of the recipe: their schemas enter the chat
-    template)."""
-    assert "tool_success" in REWARDS
+def grpo_tools_recipe(toolbox, *, turns: int = 2, answer_weight: float = 1.0, format_weight: float = 0.2,
+                      success_weight: float = 0.2, kl_coef: float = 0.0, show_schemas: bool = True,
+                      format_as_step: bool = True):
+    """The recipe for a given toolbox (tools are part of the recipe: by default their schemas
+    enter the chat template). ``turns``: model turns per episode (2 = call, then answer).
+    ``format_as_step``: the tool-call format reward is a step reward on turn 1's last token
+    (credits exactly the tokens that made the call); False makes it an outcome term like the
+    others (the demo's tuned setting)."""
+    schemas = toolbox if show_schemas else None
 
     @ml.recipe
     def grpo_tools(policy, ref_policy, prompts):
-        step = ml.generate_step(policy, prompts, tools=toolbox, name="turn_1")
-        first = step
+        step = first = ml.generate_step(policy, prompts, tools=schemas, name="turn_1")
         for t in range(2, turns + 1):
             results = ml.call_tools(step, tools=toolbox, name=f"tools_{t - 1}")
-            step = ml.generate_step(policy, step.history, results, tools=toolbox, name=f"turn_{t}")
+            step = ml.generate_step(policy, step.history, results, tools=schemas, name=f"turn_{t}")
         rollout = ml.structure_rollout(step, name="rollout")
         rewards = (
-            ml.reward(tool_call_format, step=first, rollout=rollout, weight=format_weight, name="tool_format")
-            + ml.reward(final_answer, rollout=rollout, weight=answer_weight, name="answer")
+            ml.reward(final_answer, rollout=rollout, weight=answer_weight, name="answer")
+            + ml.reward(tool_call_format, rollout=rollout, weight=format_weight, name="tool_format",
+                        step=first if format_as_step else None)
             + ml.reward("tool_success", rollout=rollout, weight=success_weight)
         )
         advantages = ml.advantages(rewards, estimator="grpo", completions=rollout, name="advantages")
         policy_logprobs = ml.logprobs(policy, prompts, rollout, name="policy_logprobs")
-        ref_logprobs = ml.logprobs(ref_policy, prompts, rollout, name="ref_logprobs")
+        ref_logprobs = ml.logprobs(ref_policy, prompts, rollout, name="ref_logprobs") if kl_coef else None
         ml.set_loss(ml.policy_loss(advantages, policy_logprobs, ref_logprobs, loss="ppo_clip",
-                                   agg="token_mean", kl="k3", kl_coef=kl_coef))
+                                   agg="token_mean", kl="k3" if kl_coef else None, kl_coef=kl_coef))
 
     return grpo_tools
