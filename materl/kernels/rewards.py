@@ -22,7 +22,7 @@ from torch import Tensor
 
 from materl.errors import ConfigError, KernelError, ShapeError
 from materl.kernels import loader
-from materl.ops.reward_builtins import DEFAULT_LENGTH_TARGET
+from materl.ops.reward_builtins import length_interval
 
 IMPLS = ("auto", "mojo", "torch")
 
@@ -161,20 +161,6 @@ def diversity(ids_B_T: Tensor, lengths_B: Tensor, *, n: int = 1, impl: str = "au
 
 
 # ----------------------------------------------------------------------------- length
-
-
-def length_interval(*, target: int | None = None, range: tuple[int, int] | None = None,  # noqa: A002
-                    scale: float | None = None) -> tuple[int, int, float]:
-    """``(lo, hi, scale)`` of the ``length`` reward, resolved and checked as the Python built-in does."""
-    if target is not None and range is not None:
-        raise ConfigError(f"length: give target=N or range=(lo, hi), not both; got target={target}, range={range}")
-    lo, hi = (target, target) if target is not None else range or (DEFAULT_LENGTH_TARGET, DEFAULT_LENGTH_TARGET)
-    if not 0 <= lo <= hi:
-        raise ConfigError(f"length: need 0 <= lo <= hi tokens, got target={target}, range={range}")
-    scale = float(max(hi, 1) if scale is None else scale)
-    if not scale > 0:
-        raise ConfigError(f"length: scale must be > 0 tokens, got {scale}")
-    return int(lo), int(hi), scale
 
 
 def length(lengths_B: Tensor, *, target: int | None = None, range: tuple[int, int] | None = None,  # noqa: A002

@@ -44,6 +44,20 @@ def _need_rollouts(reward: str, rollouts: Sequence[Rollout] | None) -> Sequence[
     return rollouts
 
 
+def length_interval(*, target: int | None = None, range: tuple[int, int] | None = None,  # noqa: A002
+                    scale: float | None = None) -> tuple[int, int, float]:
+    """``(lo, hi, scale)`` of the ``length`` reward, resolved and checked (shared with the kernel)."""
+    if target is not None and range is not None:
+        raise ConfigError(f"length: give target=N or range=(lo, hi), not both; got target={target}, range={range}")
+    lo, hi = (target, target) if target is not None else range or (DEFAULT_LENGTH_TARGET, DEFAULT_LENGTH_TARGET)
+    if not 0 <= lo <= hi:
+        raise ConfigError(f"length: need 0 <= lo <= hi tokens, got target={target}, range={range}")
+    scale = float(max(hi, 1) if scale is None else scale)
+    if not scale > 0:
+        raise ConfigError(f"length: scale must be > 0 tokens, got {scale}")
+    return int(lo), int(hi), scale
+
+
 @REWARDS.register("length")
 def length(*, completion_ids: Sequence[Sequence[int]], target: int | None = None,  # noqa: A002 (range=)
            range: tuple[int, int] | None = None, scale: float | None = None, **kwargs: Any) -> list[float]:
@@ -60,14 +74,7 @@ def length(*, completion_ids: Sequence[Sequence[int]], target: int | None = None
     (TRL ``get_soft_overlong_punishment``, Yu et al. 2025 §3.4) is exactly
     ``length(range=(0, L_max - L_cache), scale=L_cache) - 1``.
     """
-    if target is not None and range is not None:
-        raise ConfigError(f"length: give target=N or range=(lo, hi), not both; got target={target}, range={range}")
-    lo, hi = (target, target) if target is not None else range or (DEFAULT_LENGTH_TARGET, DEFAULT_LENGTH_TARGET)
-    if not 0 <= lo <= hi:
-        raise ConfigError(f"length: need 0 <= lo <= hi tokens, got target={target}, range={range}")
-    scale = float(max(hi, 1) if scale is None else scale)
-    if not scale > 0:
-        raise ConfigError(f"length: scale must be > 0 tokens, got {scale}")
+    lo, hi, scale = length_interval(target=target, range=range, scale=scale)
     out = []
     for ids in completion_ids:
         d = max(lo - len(ids), 0, len(ids) - hi)
