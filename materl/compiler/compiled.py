@@ -239,10 +239,11 @@ class Compiled:
         from materl.ops.reference import make_reference_policy
 
         trainable = [n for n, a in self.agents.items() if a.trainable and getattr(a, "head", None) != "value"]
+        used = {a for name in self.plan.order for a in self.plan.nodes[name].agents}
         pairs = []
         for name, a in self.agents.items():
-            if a.trainable or not trainable or getattr(a, "head", None) == "value":
-                continue
+            if a.trainable or not trainable or getattr(a, "head", None) == "value" or name not in used:
+                continue  # an agent no kept node reads is never loaded
             source = "policy" if "policy" in trainable else trainable[0]
             policy = make_reference_policy(self.options.reference, **dict(self.options.reference_options))
             pairs.append((a, self.agents[source], policy))

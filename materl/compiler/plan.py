@@ -82,11 +82,6 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *
     problems = recipe.lint()
     if problems:
         raise CompileError("; ".join(problems))
-    missing = [a for a in recipe.agents if a not in agents]
-    if missing:
-        raise CompileError(
-            f"compile: {recipe.where} needs agent(s) {', '.join(missing)}; got {', '.join(agents) or 'none'}"
-        )
     unknown = sorted(set(agents) - set(recipe.agents) - set(recipe.params))  # unused parameters are fine
     if unknown:
         raise CompileError(f"compile: {recipe.where} has no agent parameter(s) {', '.join(unknown)}; "
@@ -95,6 +90,12 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *
         raise CompileError(f"compile: {recipe.where} sets no loss; call ml.set_loss(...) in the recipe")
     nodes = _resolve_defaults(recipe, options)
     keep = set(nodes) if rollout_only else _needed(recipe, nodes)
+    used = {a for name in keep for a in nodes[name].agents}
+    missing = [a for a in recipe.agents if a in used and a not in agents]
+    if missing:  # an agent only pruned nodes use need not be given
+        raise CompileError(
+            f"compile: {recipe.where} needs agent(s) {', '.join(missing)}; got {', '.join(agents) or 'none'}"
+        )
     order = [n for n in topo_order(recipe) if n in keep]
     plan = Plan(recipe, options, nodes, order, pruned=[n.name for n in recipe.nodes if n.name not in keep])
     _partition(plan, agents)
