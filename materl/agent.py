@@ -139,6 +139,11 @@ class Agent:
         """
         return _models.backbone_hidden_states(self.model, input_ids, attention_mask)
 
+    def shared_prefix_hidden_states(self, prefix_ids, prefix_mask, owner, suffix_ids, suffix_mask):
+        """Hidden states of rows that continue shared prompts, each prompt run once; see
+        :func:`materl.engines.models.shared_prefix_hidden_states`."""
+        return _models.shared_prefix_hidden_states(self.model, prefix_ids, prefix_mask, owner, suffix_ids, suffix_mask)
+
     def output_embedding(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The LM head as ``(weight (V, H), bias (V,) or None)``."""
         return _models.output_embedding(self.model)
@@ -149,6 +154,14 @@ class Agent:
             raise ConfigError(f"agent {self.name!r} has no value head (head={self.head!r}); "
                               f"create it with Agent(..., head='value')")
         return self.model(input_ids, attention_mask)
+
+    def values_of_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head applied to backbone hidden states (..., H) -> (...)."""
+        if self.head != "value":
+            raise ConfigError(f"agent {self.name!r} has no value head (head={self.head!r}); "
+                              f"create it with Agent(..., head='value')")
+        v_head = self.model.v_head
+        return v_head(hidden.to(v_head.weight.dtype)).squeeze(-1)
 
     def parameters(self) -> list[nn.Parameter]:
         """Parameters that require grad (LoRA adapters only for LoRA agents; none when frozen)."""

@@ -33,12 +33,14 @@ class SeqBatch:
     mask: Tensor  # (B, T) float, 1 = trained token (tool output and padding are 0)
     old_logprobs: Tensor  # (B, T) sampling log-probs
     lengths: Tensor  # (B,) prompt + completion length
+    prompt_lens: Tensor  # (B,)
+    prompt_group: Tensor  # (B,) rows with equal ids have identical prompts
 
     def rows(self, idx: Tensor) -> SeqBatch:
         length = int(self.lengths[idx].max())
         return SeqBatch(self.input_ids[idx, :length], self.attention_mask[idx, :length],
                         self.gather_idx[idx].clamp(max=length - 1), self.completion_ids[idx], self.mask[idx],
-                        self.old_logprobs[idx], self.lengths[idx])
+                        self.old_logprobs[idx], self.lengths[idx], self.prompt_lens[idx], self.prompt_group[idx])
 
 
 def build_seq_batch(tokenizer, prompts: list, completions: list) -> SeqBatch:
@@ -58,9 +60,12 @@ def build_seq_batch(tokenizer, prompts: list, completions: list) -> SeqBatch:
     width = max(1, max(len(c) for _, c, _, _ in rows))
     gather = pad_rows([[len(p) - 1 + t for t in range(len(c))] for p, c, _, _ in rows], dtype=torch.long, width=width)
     gather = torch.maximum(gather, torch.zeros_like(gather))
+    groups: dict[tuple[int, ...], int] = {}
+    prompt_group = [groups.setdefault(tuple(p), len(groups)) for p, _, _, _ in rows]
     return SeqBatch(input_ids, attention, gather, pad_rows([c for _, c, _, _ in rows], dtype=torch.long, width=width),
                     pad_rows([m for _, _, m, _ in rows], width=width), pad_rows([o for _, _, _, o in rows], width=width),
-                    torch.tensor([len(s) for s in seqs]))
+                    torch.tensor([len(s) for s in seqs]), torch.tensor([len(p) for p, _, _, _ in rows]),
+                    torch.tensor(prompt_group))
 
 
 def _gather(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
@@ -69,17 +74,39 @@ def _gather(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
     return x_B_L_H.gather(1, idx_B_T[..., None].expand(-1, -1, x_B_L_H.shape[-1]))
 
 
+def completion_hidden(agent, sb: SeqBatch, *, share_prompts: bool = True) -> Tensor:
+    """(B, T, H): the hidden state that predicts each completion token.
+
+    When rows share prompts (a GRPO group) and ``share_prompts``, each distinct prompt is run once
+    and its KV cache reused by the rows that continue it (``shared_prefix_hidden_states``): the
+    same values as one forward over every full row, for fewer tokens.
+    """
+    groups_U, owner_B = sb.prompt_group.unique(return_inverse=True)
+    if not share_prompts or len(groups_U) == len(owner_B):
+        return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
+    first_U = torch.full_like(groups_U, len(owner_B)).scatter_reduce(0, owner_B, torch.arange(len(owner_B)), "amin")
+    plen_U = sb.prompt_lens[first_U]
+    width = int(plen_U.max())
+    prefix_mask = (torch.arange(width)[None, :] < plen_U[:, None]).long()
+    prefix_ids = sb.input_ids[first_U, :width] * prefix_mask
+    steps = sb.completion_ids.shape[1] - 1  # the last completion token predicts nothing we train
+    suffix_mask = (torch.arange(steps)[None, :] < (sb.lengths - sb.prompt_lens)[:, None]).long()
+    last_B_H, suffix_B_S_H = agent.shared_prefix_hidden_states(
+        prefix_ids, prefix_mask, owner_B, sb.completion_ids[:, :steps] * suffix_mask, suffix_mask)
+    return torch.cat([last_B_H[:, None], suffix_B_S_H], dim=1)
+
+
 def forward_logprobs(rt, agent, sb: SeqBatch, *, temperature: float, entropy: bool = False):
     from materl.ops.logprobs import token_logprobs
 
-    hidden = agent.hidden_states(sb.input_ids, sb.attention_mask)
+    hidden = completion_hidden(agent, sb, share_prompts=rt.options.share_prompts)
     weight, bias = agent.output_embedding()
-    return token_logprobs(_gather(hidden, sb.gather_idx), weight, sb.completion_ids, bias=bias,
+    return token_logprobs(hidden, weight, sb.completion_ids, bias=bias,
                           temperature=temperature, chunk_size=rt.options.logprob_chunk_size, return_entropy=entropy)
 
 
-def forward_values(agent, sb: SeqBatch) -> Tensor:
-    return _gather(agent.values(sb.input_ids, sb.attention_mask), sb.gather_idx)
+def forward_values(rt, agent, sb: SeqBatch) -> Tensor:
+    return agent.values_of_hidden(completion_hidden(agent, sb, share_prompts=rt.options.share_prompts))
 
 
 class Learner:
@@ -116,7 +143,7 @@ class Learner:
                 else:
                     with torch.no_grad():
                         chunks = [torch.arange(i, min(i + mb, len(eps))) for i in range(0, len(eps), mb)]
-                        parts = [forward_values(agent, sb.rows(c)) if node.op == "values"
+                        parts = [forward_values(self.rt, agent, sb.rows(c)) if node.op == "values"
                                  else forward_logprobs(self.rt, agent, sb.rows(c), temperature=self.temperature(node))
                                  for c in chunks]
                         out = torch.cat(parts).float()
@@ -145,7 +172,7 @@ class Learner:
                 sb = self.seq_batch(node, eps).rows(idx)
                 agent = rt.agents[node.agents[0]]
                 if node.op == "values":
-                    env[name] = forward_values(agent, sb)
+                    env[name] = forward_values(rt, agent, sb)
                 else:
                     logp, ent = forward_logprobs(rt, agent, sb, temperature=self.temperature(node), entropy=True)
                     env[name] = logp

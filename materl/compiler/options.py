@@ -33,6 +33,7 @@ class CompileOptions:
     micro_batch_size: int | None = None  # rows per forward/backward (default: the mini-batch)
     shuffle: bool = False  # shuffle rows between epochs (seeded)
     logprob_chunk_size: int = 1024  # rows of the (tokens x vocab) matrix held at once
+    share_prompts: bool = True  # rows with the same prompt run it once in the learner forward
     advantage: str | None = None  # default advantage estimator (else the recipe's, else grpo)
     reference: str = "frozen"  # reference-model policy: none, frozen, ema, periodic, adaptive
     reference_options: tuple[tuple[str, Any], ...] = ()

@@ -23,6 +23,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +288,39 @@ def apply_lora(model, *, r: int = 16, alpha: float = 32, dropout: float = 0.0, t
     return get_peft_model(model, config)
 
 
+@contextmanager
+def lora_merged(model):
+    """Inside, every active LoRA layer runs as one plain Linear with weight ``W + scale * B @ A``.
+
+    For decoding: one matmul per projection instead of three, and none of peft's per-layer
+    Python. The merged weight is a new tensor swapped in for the base weight and the original
+    Parameter object is put back on exit, so the base weights stay bit-exact (peft's
+    ``merge_adapter``/``unmerge_adapter`` add and subtract in place, which drifts). Not for
+    training: the adapters get no gradient inside.
+    """
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft: no LoRA layers either
+        yield
+        return
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged and not m.disable_adapters]
+    swapped = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                base = layer.get_base_layer()
+                adapters = [a for a in layer.active_adapters if a in layer.lora_A]
+                merged = base.weight + sum(layer.get_delta_weight(a) for a in adapters)
+                swapped.append((layer, base, base.weight))
+                base.weight = torch.nn.Parameter(merged, requires_grad=False)
+                layer._disable_adapters = True
+        yield
+    finally:
+        for layer, base, weight in swapped:
+            base.weight = weight
+            layer._disable_adapters = False
+
+
 # ----------------------------------------------------------------------------- backbone access
 
 
@@ -315,6 +349,46 @@ def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch
         position_ids=position_ids_from_mask(attention_mask), use_cache=False,
     )
     return out.last_hidden_state
+
+
+def shared_prefix_hidden_states(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    owner: torch.Tensor,
+    suffix_ids: torch.Tensor,
+    suffix_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states of rows that share prompts, each distinct prompt run once; gradients flow.
+
+    prefix_ids/mask (U, P): the distinct prompts, right-padded; owner (B,): which prefix row b
+    continues; suffix_ids/mask (B, S): row b's tokens after its prompt, right-padded.
+    Returns ``(last_prefix_B_H, suffix_B_S_H)``: the hidden state at row b's last prompt token
+    (it predicts the first suffix token) and at every suffix token.
+
+    The prefix pass fills a KV cache; its keys/values are indexed by ``owner`` (so backward sums
+    the gradients of every row that read them) and the suffix pass attends to them, with
+    positions continuing from each prompt's length. The result equals running every row's full
+    sequence (up to float summation order) at the cost of U*P + B*S tokens instead of B*(P+S):
+    a GRPO group of G samples pays for its prompt once, not G times. Right padding everywhere,
+    so no query row is fully masked (the middle gap of short prompts is masked out).
+    """
+    from transformers import DynamicCache
+
+    lm = causal_lm_of(model)
+    decoder = lm.get_decoder()
+    cache = DynamicCache(config=lm.config)
+    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
+                     position_ids=position_ids_from_mask(prefix_mask), past_key_values=cache, use_cache=True)
+    prompt_len_B = prefix_mask.sum(-1)[owner]
+    last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
+    if suffix_ids.shape[1] == 0:
+        return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
+    cache.batch_select_indices(owner)
+    steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
+    suffix = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
+                     position_ids=prompt_len_B[:, None] + steps_S[None, :], past_key_values=cache, use_cache=True)
+    return last_B_H, suffix.last_hidden_state
 
 
 def output_embedding(model) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -9,9 +9,9 @@ runs in a worker thread (``anyio.to_thread``) so the event loop keeps running to
 other episodes meanwhile; requests that arrive during a decode form the next batch.
 
 The decode loop is written here rather than calling ``model.generate``: left padding with
-positions ``cumsum(mask) - 1``, a ``DynamicCache``, per-row stop rules (eos ids,
-``stop_token_ids``, stop strings on the decoded tail, ``max_new_tokens``), finished rows dropped
-from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
+positions ``cumsum(mask) - 1``, a ``DynamicCache``, identical prompts (a GRPO group) prefilled
+once, per-row stop rules (eos ids, ``stop_token_ids``, stop strings on the decoded tail,
+``max_new_tokens``), finished rows dropped from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
 seeded request samples the same tokens whatever shares its batch. HF ``generate`` has one
 global generator and one set of sampling settings per call, which is why it is not used.
 """
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from materl.engines.base import ENGINES, Generation, SamplingParams
-from materl.engines.models import causal_lm_of
+from materl.engines.models import causal_lm_of, lora_merged
 from materl.errors import ConfigError, EngineError
 
 
@@ -177,7 +177,7 @@ class TransformersEngine:
     def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
         lm = causal_lm_of(self.model)
         start = time.perf_counter()
-        with self.model_lock:
+        with self.model_lock, lora_merged(self.model):
             was_training = lm.training
             lm.eval()
             try:
@@ -201,14 +201,22 @@ class TransformersEngine:
 
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
-        input_ids, mask = _left_pad([r.prompt_ids for r in batch], self.pad_id, device)
+        # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
+        distinct: dict[tuple[int, ...], int] = {}
+        owner = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in batch]
+        input_ids, mask = _left_pad([list(p) for p in distinct], self.pad_id, device)
         cache = DynamicCache(config=lm.config)
         out = lm(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1, :]
+        if len(distinct) < len(batch):
+            index = torch.tensor(owner, device=device)
+            cache.batch_select_indices(index)
+            mask, logits = mask[index], logits[index]
         active = list(range(len(rows)))  # rows[active[j]] is batch row j
         while True:
             live = [rows[i] for i in active]
-            tokens = self._step(out.logits[:, -1, :], live)
+            tokens = self._step(logits, live)
             keep = [j for j, row in enumerate(live) if row.finish is None]
             if not keep:
                 break
@@ -220,6 +228,7 @@ class TransformersEngine:
             mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=-1)
             out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
                      past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :]
         return [self._finish(row, len(batch)) for row in rows]
 
     def _new_row(self, req: _Request) -> _Row:

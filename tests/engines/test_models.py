@@ -142,6 +142,31 @@ def test_lora_trains_only_adapters_and_starts_as_the_base(tiny):
         load_model("tiny-random", head="policy")
 
 
+def test_lora_merged_runs_the_adapted_model_and_restores_the_base_exactly():
+    torch.manual_seed(0)
+    model, _ = load_model("tiny-random", lora=dict(r=4, alpha=8))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)  # a non-zero adapter, so merged != base
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    ids = torch.tensor([[104, 105, 106, 107]])
+    with torch.no_grad():
+        adapted = model(ids).logits
+        with models.lora_merged(model):
+            merged = model(ids).logits
+            swapped = [n for n, p in model.named_parameters() if "lora_" not in n and not torch.equal(p, base[n])]
+        after = model(ids).logits
+        with model.disable_adapter():
+            plain = model(ids).logits
+    assert len(swapped) == 8  # 2 layers x q, k, v, o carry W + scale * B @ A inside
+    torch.testing.assert_close(merged, adapted, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(plain, adapted, atol=1e-3)
+    assert torch.equal(after, adapted)
+    assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
+    assert sum(p.requires_grad for p in model.parameters()) == 16  # adapters still train
+
+
 def test_value_head_values_save_and_reload(tmp_path, tiny):
     vm, _ = load_model("tiny-random", head="value")
     ids = torch.tensor([[104, 105, 106]])
