@@ -21,6 +21,7 @@ from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
 from materl.compiler.scheduler import rollout
 from materl.compiler.values import Episode
+from materl.engines.base import engine_sleep
 from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Recipe
 
@@ -147,12 +148,17 @@ class Compiled:
         if not ok:
             metrics["skipped_update"] = 1.0
             return metrics
+        started = [a for a in self.agents.values() if getattr(a, "_engine", None) is not None]
+        for engine in {id(a._engine): a._engine for a in started}.values():
+            engine_sleep(engine)  # the rollout stage is over: free decode-only memory
         learner = Learner(self)
         t0 = time.perf_counter()
         await learner.prepare(ok)
         self.timings["stage/prepare"] = time.perf_counter() - t0
         metrics.update(learner.run(ok))
         self.step_count += 1
+        for agent in {id(a): a for a in started if a.trainable}.values():
+            agent.engine.sync_weights()  # in-process: drops stale copies; SGLang: pushes the new weights
         self.update_references(metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = float(self.step_count)

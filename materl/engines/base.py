@@ -46,4 +46,12 @@ class Engine(Protocol):
     async def aclose(self) -> None: ...
 
 
+def engine_sleep(engine) -> None:
+    """Tell an engine the rollout stage is over: it may free decode-only memory (optional method
+    ``sleep``; verl's rollout ``sleep``/``wake_up`` play this part)."""
+    sleep = getattr(engine, "sleep", None)
+    if callable(sleep):
+        sleep()
+
+
 ENGINES: Registry = Registry("engine")

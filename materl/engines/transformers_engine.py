@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from materl.engines.base import ENGINES, Generation, SamplingParams
-from materl.engines.models import causal_lm_of, lora_merged
+from materl.engines.decode_weights import DecodeWeights
+from materl.engines.models import causal_lm_of
 from materl.errors import ConfigError, EngineError
 
 
@@ -83,7 +84,8 @@ class _Row:
 class TransformersEngine:
     """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
 
-    def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.005):
+    def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.005,
+                 pack_weights: bool = True):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
@@ -93,6 +95,8 @@ class TransformersEngine:
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.stats = EngineStats()
+        # decode-time packed copies of the linear weights (CPU; see decode_weights.py)
+        self.decode_weights = DecodeWeights(enabled=pack_weights)
         # Held while a decode runs; a learner that updates the same model in another thread
         # while rollouts continue should hold it around optimizer.step().
         self.model_lock = threading.Lock()
@@ -142,8 +146,14 @@ class TransformersEngine:
         return req.result
 
     def sync_weights(self) -> None:
-        """No-op: the engine decodes with the agent's own model object, so it always sees the
-        current weights. (Safe to call at any time.)"""
+        """The engine decodes with the agent's own model object, so it always sees the current
+        weights; this only drops the packed decode copies of the old ones."""
+        self.decode_weights.clear()
+
+    def sleep(self) -> None:
+        """Free decode-only memory (the packed weight copies) while the learner runs; the next
+        ``generate`` rebuilds it."""
+        self.decode_weights.clear()
 
     async def aclose(self) -> None:
         self._pending.clear()
@@ -177,7 +187,7 @@ class TransformersEngine:
     def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
         lm = causal_lm_of(self.model)
         start = time.perf_counter()
-        with self.model_lock, lora_merged(self.model):
+        with self.model_lock, self.decode_weights.installed(lm):
             was_training = lm.training
             lm.eval()
             try:

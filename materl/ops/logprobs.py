@@ -141,7 +141,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_N_H) if need_h else None
         acc_dtype = torch.promote_types(weight_V_H.dtype, torch.float32)
-        grad_w = torch.zeros(weight_V_H.shape, dtype=acc_dtype, device=weight_V_H.device) if need_w else None
+        grad_w = None
         grad_b = torch.zeros(weight_V_H.shape[0], dtype=acc_dtype, device=weight_V_H.device) if need_b else None
         if grad_logp_N is None:
             grad_logp_N = torch.zeros_like(lse_N)
@@ -161,7 +161,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[rows] = (g_C_V.to(weight_V_H.dtype) @ weight_V_H).to(grad_h.dtype)
             if need_w:
-                grad_w += g_C_V.T @ h_C_H.to(acc_dtype)
+                if start == 0:  # assign the first chunk's product: no zero-fill and add over (V, H)
+                    grad_w = g_C_V.T @ h_C_H.to(acc_dtype)
+                else:
+                    grad_w += g_C_V.T @ h_C_H.to(acc_dtype)
             if need_b:
                 grad_b += g_C_V.sum(0)
         grad_w = grad_w.to(weight_V_H.dtype) if need_w else None
