@@ -3,7 +3,9 @@ micro-batches of forward/backward, gradient clipping and an optimizer step per m
 
 Sequences are right-padded ``prompt + completion``; the hidden state that predicts completion
 token t of row i sits at ``len(prompt_i) - 1 + t`` and is gathered, so rows with prompts of
-different lengths need no position-id juggling. Loss aggregations get the mini-batch's global
+different lengths need no position-id juggling. Rows that share a prompt (a GRPO group) run
+it once: a prefix pass fills a KV cache that their completions attend to (``completion_hidden``;
+``share_prompts=False`` turns it off). Loss aggregations get the mini-batch's global
 token/sequence count as their denominator, so summing micro-batch losses equals the mini-batch
 loss exactly (gradient accumulation is exact).
 """

@@ -22,6 +22,8 @@ agree with the plain path to float rounding (~1e-6 relative), not bit for bit.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 from contextlib import contextmanager
 from functools import partial
 
@@ -43,6 +45,23 @@ def _lora_layer_type():
     return LoraLayer
 
 
+def _return_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``). The packed copies are a few
+    MB each, which glibc serves from its heap once it has seen them freed; without this the
+    process keeps their pages through the learner stage and the peak RSS grows by their size."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        return None
+
+
 def _packed_linear(weight: Tensor, bias: Tensor | None, x: Tensor, *args, **kwargs) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
@@ -56,7 +75,9 @@ class DecodeWeights:
         self.packs = 0  # how many matrices were (re)packed, for tests and benchmarks
 
     def clear(self) -> None:
-        self._cache.clear()
+        if self._cache:
+            self._cache.clear()
+            _return_freed_memory()
 
     @contextmanager
     def installed(self, lm: nn.Module):
