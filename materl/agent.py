@@ -30,6 +30,7 @@ from torch import nn
 
 import materl.engines.sglang_engine  # noqa: F401  (registers "sglang")
 import materl.engines.transformers_engine  # noqa: F401  (registers "transformers")
+from materl import compute
 from materl.engines import models as _models
 from materl.engines.base import ENGINES
 from materl.errors import ConfigError
@@ -87,8 +88,10 @@ class Agent:
     @property
     def model(self) -> nn.Module:
         if self._model is None:
-            model, tokenizer = _models.load_model(
-                self.source, head=self.head, lora=self.lora, dtype=self.dtype, cache_dir=self.cache_dir
+            # in the compute thread, like decoding and the learner (materl/compute.py: one OpenMP pool)
+            model, tokenizer = compute.call(
+                _models.load_model, self.source, head=self.head, lora=self.lora, dtype=self.dtype,
+                cache_dir=self.cache_dir,
             )
             self._tokenizer = tokenizer
             self._adopt(model)

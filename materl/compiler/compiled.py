@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ import anyio
 import torch
 
 import materl.compiler.score_ops  # noqa: F401  (registers scoring implementations)
+from materl import compute
 from materl.compiler.impls import choose
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
@@ -89,7 +91,8 @@ class Compiled:
         if self._portal is None:
             self._portal_cm = anyio.from_thread.start_blocking_portal()
             self._portal = self._portal_cm.__enter__()
-        return self._portal.call(lambda: fn(*args, **kwargs))
+        with compute.serving() as here:  # this thread decodes and learns while the loop runs the step
+            return here.until(self._portal.start_task_soon(functools.partial(fn, *args, **kwargs)))
 
     def close(self) -> None:
         """Stop the tool servers this step started and the background event loop."""
@@ -155,11 +158,11 @@ class Compiled:
         t0 = time.perf_counter()
         await learner.prepare(ok)
         self.timings["stage/prepare"] = time.perf_counter() - t0
-        metrics.update(learner.run(ok))
+        metrics.update(await compute.acall(learner.run, ok))
         self.step_count += 1
         for agent in {id(a): a for a in started if a.trainable}.values():
             agent.engine.sync_weights()  # in-process: drops stale copies; SGLang: pushes the new weights
-        self.update_references(metrics.get("policy_loss/kl", metrics.get("kl")))
+        await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = float(self.step_count)
         return metrics

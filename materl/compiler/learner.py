@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from materl import compute
 from materl.compiler.scheduler import run_batch_node, store
 from materl.compiler.score_ops import as_rollout
 from materl.compiler.values import Episode, collate, pad_rows, resolve, to_tensor
@@ -143,14 +144,17 @@ class Learner:
                 if node.op == "logprobs" and name in plan.live:
                     out = sb.old_logprobs  # the sampling log-probs are the old log-probs
                 else:
-                    with torch.no_grad():
-                        chunks = [torch.arange(i, min(i + mb, len(eps))) for i in range(0, len(eps), mb)]
-                        parts = [forward_values(self.rt, agent, sb.rows(c)) if node.op == "values"
-                                 else forward_logprobs(self.rt, agent, sb.rows(c), temperature=self.temperature(node))
-                                 for c in chunks]
-                        out = torch.cat(parts).float()
+                    out = await compute.acall(self.forward_no_grad, node, agent, sb, mb)
                 for ep, row in zip(eps, out):
                     store(ep, node, row)
+
+    def forward_no_grad(self, node: Node, agent, sb: SeqBatch, micro: int) -> Tensor:
+        with torch.no_grad():
+            chunks = [torch.arange(i, min(i + micro, len(sb.lengths))) for i in range(0, len(sb.lengths), micro)]
+            parts = [forward_values(self.rt, agent, sb.rows(c)) if node.op == "values"
+                     else forward_logprobs(self.rt, agent, sb.rows(c), temperature=self.temperature(node))
+                     for c in chunks]
+            return torch.cat(parts).float()
 
     # -- update --
     def micro_step(self, eps: list[Episode], idx: Tensor, denoms: dict[str, float]) -> tuple[Tensor, dict]:

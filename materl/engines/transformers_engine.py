@@ -5,8 +5,9 @@
 
 Every ``await generate(...)`` that arrives while no batch is being collected, or within
 ``batch_window_s`` of the first, joins ONE batched decode (up to ``max_batch`` rows). The decode
-runs in a worker thread (``anyio.to_thread``) so the event loop keeps running tool calls and
-other episodes meanwhile; requests that arrive during a decode form the next batch.
+runs in materl's compute thread (``materl.compute``: the same thread as the learner, so torch
+keeps one OpenMP pool) and the event loop keeps running tool calls and other episodes meanwhile;
+requests that arrive during a decode form the next batch.
 
 The decode loop is written here rather than calling ``model.generate``: left padding with
 positions ``cumsum(mask) - 1``, a ``DynamicCache``, identical prompts (a GRPO group) prefilled
@@ -27,6 +28,7 @@ import anyio.lowlevel
 import torch
 from torch import Tensor
 
+from materl import compute
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.models import causal_lm_of
@@ -174,7 +176,7 @@ class TransformersEngine:
             del self._pending[: len(batch)]
             with anyio.CancelScope(shield=True):  # the thread finishes anyway; deliver results
                 try:
-                    results = await anyio.to_thread.run_sync(self._decode_batch, batch)
+                    results = await compute.acall(self._decode_batch, batch)
                 except Exception as exc:  # noqa: BLE001 - handed to every waiter
                     for r in batch:
                         r.error = exc

@@ -1,0 +1,172 @@
+"""One OS thread for torch's heavy work (decoding, the learner, loading models).
+
+    value = compute.call(fn, *args)             # blocking, from any thread
+    value = await compute.acall(fn, *args)      # from an event loop, which keeps running
+    with compute.serving() as here:             # this thread does the compute work ...
+        value = here.until(future)              # ... until ``future`` (e.g. a portal task) is done
+
+Why one thread. torch's CPU kernels parallelise with OpenMP (libgomp in the PyPI wheels), and
+every OS thread that has run a parallel region keeps a pool of worker threads for the rest of its
+life. Once the process holds more pooled threads than it has CPUs, libgomp stops spin-waiting
+between parallel regions (its "throttled" spin count: 1,000 spins instead of 300,000) and every
+region pays a futex wake-up. A decode step is hundreds of small regions, so this is not small:
+on 2 cores, SmolLM2-135M decoding 8 rows x 32 tokens took 2.2 s with one pool and 3.4 s once a
+second thread had run one matmul and stayed alive; a learner forward/backward went 1.6 -> 1.9 s.
+The in-process engine used to decode in anyio worker threads while the learner ran in the event
+loop's thread: both paid it on every step.
+
+Which thread. ``Compiled.run`` (blocking) makes its calling thread the compute thread while the
+step runs in the background event loop (``serving``), so a script that loads a model, trains and
+evaluates from its main thread keeps one pool. Without a serving thread (``await
+compiled.arun(...)`` in a user's event loop) work goes to one daemon thread, started on first
+use with the starting thread's torch thread count. Work called from the compute thread itself
+runs inline, so nesting cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+_Item = tuple[Future, Callable[..., Any], tuple, dict]
+
+
+class _Server:
+    """A thread that runs submitted work items, in order, one at a time."""
+
+    def __init__(self, thread: threading.Thread):
+        self.thread = thread
+        self.items: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+
+    def submit(self, fn: Callable[..., T], args: tuple, kwargs: dict) -> Future:
+        future: Future = Future()
+        self.items.put((future, fn, args, kwargs))
+        return future
+
+    def run_one(self, item: _Item) -> None:
+        future, fn, args, kwargs = item
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+
+    def until(self, future: Future) -> Any:
+        """Run work items here until ``future`` is done; return its result (or raise)."""
+        future.add_done_callback(lambda _: self.items.put(None))
+        while not future.done():
+            item = self.items.get()
+            if item is not None:
+                self.run_one(item)
+        return future.result()
+
+
+_lock = threading.Lock()
+_serving: list[_Server] = []  # threads inside ``serving()``, innermost last
+_daemon: _Server | None = None
+
+
+def _start_daemon() -> _Server:
+    import torch
+
+    threads = torch.get_num_threads()
+    started = threading.Event()
+    holder: list[_Server] = []
+
+    def main() -> None:
+        torch.set_num_threads(threads)
+        server = _Server(threading.current_thread())
+        holder.append(server)
+        started.set()
+        while True:
+            item = server.items.get()
+            if item is not None:
+                server.run_one(item)
+
+    threading.Thread(target=main, name="materl-compute", daemon=True).start()
+    started.wait()
+    return holder[0]
+
+
+def _target() -> _Server:
+    global _daemon
+    with _lock:
+        if _serving:
+            return _serving[-1]
+        if _daemon is None:
+            _daemon = _start_daemon()
+        return _daemon
+
+
+def _inline(server: _Server) -> bool:
+    me = threading.current_thread()
+    return server.thread is me or any(s.thread is me for s in _serving)
+
+
+def compute_thread() -> threading.Thread:
+    """The thread that runs compute work now (started if need be)."""
+    return _target().thread
+
+
+def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` in the compute thread and wait for it (inline if this is that thread)."""
+    server = _target()
+    if _inline(server):
+        return fn(*args, **kwargs)
+    return server.submit(fn, args, kwargs).result()
+
+
+async def acall(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run ``fn`` in the compute thread; the event loop keeps running meanwhile. Not
+    cancellable once submitted (like ``anyio.to_thread.run_sync``): the work finishes."""
+    server = _target()
+    if _inline(server):
+        return fn(*args, **kwargs)
+    future = server.submit(fn, args, kwargs)
+    return await anyio.to_thread.run_sync(future.result)
+
+
+@contextmanager
+def serving():
+    """Inside, compute work runs in this thread whenever it calls ``until`` on the yielded server."""
+    server = _Server(threading.current_thread())
+    with _lock:
+        _serving.append(server)
+    try:
+        yield server
+    finally:
+        with _lock:
+            _serving.remove(server)
+        _hand_over(server)
+
+
+def _hand_over(server: _Server) -> None:
+    """Work submitted after the serving thread stopped listening goes to the next target."""
+    while True:
+        try:
+            item = server.items.get_nowait()
+        except queue.Empty:
+            return
+        if item is not None:
+            future, fn, args, kwargs = item
+            nxt = _target()
+            if future.set_running_or_notify_cancel():
+                inner = nxt.submit(fn, args, kwargs)
+                inner.add_done_callback(lambda f, out=future: _copy_result(f, out))
+
+
+def _copy_result(src: Future, dst: Future) -> None:
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+    else:
+        dst.set_result(src.result())
