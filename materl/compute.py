@@ -1,6 +1,6 @@
 """One OS thread for torch's heavy work (decoding, the learner, loading models).
 
-    value = compute.call(fn, *args)             # blocking, from any thread
+    value = compute.call(fn, *args)             # blocking: in the serving thread, else here
     value = await compute.acall(fn, *args)      # from an event loop, which keeps running
     with compute.serving() as here:             # this thread does the compute work ...
         value = here.until(future)              # ... until ``future`` (e.g. a portal task) is done
@@ -15,16 +15,29 @@ second thread had run one matmul and stayed alive; a learner forward/backward we
 The in-process engine used to decode in anyio worker threads while the learner ran in the event
 loop's thread: both paid it on every step.
 
+Memory. The same two threads of work also churn memory: every step frees the decode copies and
+the learner's activations, hundreds of MB, and glibc handed them back to the OS, so the next
+phase faulted them in again (300,000 minor faults and 0.6 s of system time per SmolLM2 step).
+``tune_allocator`` (run once, when compute work is first served) keeps freed memory in the heap
+for reuse: allocations up to 32 MB come from the heap (``M_MMAP_THRESHOLD``) and free memory is
+returned only past 1 GB (``M_TRIM_THRESHOLD``). Set ``MATERL_MALLOC=default`` to leave glibc's
+settings alone.
+
 Which thread. ``Compiled.run`` (blocking) makes its calling thread the compute thread while the
-step runs in the background event loop (``serving``), so a script that loads a model, trains and
-evaluates from its main thread keeps one pool. Without a serving thread (``await
-compiled.arun(...)`` in a user's event loop) work goes to one daemon thread, started on first
-use with the starting thread's torch thread count. Work called from the compute thread itself
-runs inline, so nesting cannot deadlock.
+step runs in the background event loop (``serving``), and a blocking ``call`` with nobody serving
+runs in its caller, so a script that loads a model, trains and evaluates from its main thread
+keeps one pool (and shares it with other torch code in that thread, e.g. TRL in
+benchmarks/vs_trl.py). ``acall`` with nobody serving (``await compiled.arun(...)`` in a user's
+event loop) cannot run in the loop's thread: it uses one daemon thread, started on first use
+with the starting thread's torch thread count. Work called from the compute thread itself runs
+inline, so nesting cannot deadlock.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -70,6 +83,21 @@ class _Server:
         return future.result()
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
+
+
+@functools.cache
+def tune_allocator() -> bool:
+    """Keep freed memory in the heap between phases (see the module docstring). True if applied."""
+    if os.environ.get("MATERL_MALLOC", "").lower() == "default":
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+
+
 _lock = threading.Lock()
 _serving: list[_Server] = []  # threads inside ``serving()``, innermost last
 _daemon: _Server | None = None
@@ -84,6 +112,7 @@ def _start_daemon() -> _Server:
 
     def main() -> None:
         torch.set_num_threads(threads)
+        tune_allocator()
         server = _Server(threading.current_thread())
         holder.append(server)
         started.set()
@@ -118,9 +147,12 @@ def compute_thread() -> threading.Thread:
 
 
 def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run ``fn`` in the compute thread and wait for it (inline if this is that thread)."""
-    server = _target()
-    if _inline(server):
+    """Run ``fn`` in the serving thread if one is serving (and wait), else right here: a thread
+    that blocks on torch work is the one that will serve ``Compiled.run`` later, so loading a
+    model from it keeps one pool."""
+    with _lock:
+        server = _serving[-1] if _serving else None
+    if server is None or _inline(server):
         return fn(*args, **kwargs)
     return server.submit(fn, args, kwargs).result()
 
@@ -138,6 +170,7 @@ async def acall(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 @contextmanager
 def serving():
     """Inside, compute work runs in this thread whenever it calls ``until`` on the yielded server."""
+    tune_allocator()
     server = _Server(threading.current_thread())
     with _lock:
         _serving.append(server)

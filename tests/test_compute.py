@@ -13,22 +13,30 @@ from materl.compiler.learner import Learner
 from materl.engines.transformers_engine import TransformersEngine
 
 
-def test_call_runs_in_the_compute_thread_from_any_thread():
-    home = compute.compute_thread()
-    assert home is not threading.current_thread()  # no serving thread here: the daemon
+def test_call_without_a_serving_thread_runs_in_the_caller():
+    # e.g. Agent.model loading from a script's main thread, which later serves Compiled.run
     with ThreadPoolExecutor(2) as pool:
-        seen = list(pool.map(lambda _: compute.call(threading.current_thread), range(4)))
-    assert seen == [home] * 4
+        pairs = list(pool.map(lambda _: (threading.current_thread(), compute.call(threading.current_thread)), range(4)))
+    assert all(caller is ran for caller, ran in pairs)
+
+
+async def test_acall_without_a_serving_thread_uses_one_daemon_thread():
+    seen = {await compute.acall(threading.current_thread) for _ in range(3)}
+    assert len(seen) == 1 and seen.pop().name == "materl-compute"
 
 
 def test_call_from_the_compute_thread_runs_inline():
     # a compute item that itself calls compute.call would deadlock if it queued behind itself
-    assert compute.call(lambda: compute.call(lambda: threading.current_thread().name)) == "materl-compute"
+    with compute.serving() as here:
+        me = threading.current_thread()
+        with ThreadPoolExecutor(1) as pool:
+            inner = pool.submit(compute.call, lambda: compute.call(threading.current_thread))
+            assert here.until(inner) is me
 
 
-def test_errors_reach_the_caller():
+async def test_errors_reach_the_caller():
     with pytest.raises(ZeroDivisionError):
-        compute.call(lambda: 1 / 0)
+        await compute.acall(lambda: 1 / 0)
 
 
 def test_serving_thread_runs_work_until_its_future_is_done():
@@ -48,7 +56,7 @@ def test_serving_thread_runs_work_until_its_future_is_done():
         assert here.until(done) == "finished"
         worker.join()
     assert ran_in == [me, me]
-    assert compute.compute_thread() is not me  # back to the daemon once serving ends
+    assert compute.compute_thread().name == "materl-compute"  # back to the daemon once serving ends
 
 
 def test_work_left_after_serving_is_handed_to_the_next_thread():

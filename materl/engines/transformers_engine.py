@@ -153,8 +153,8 @@ class TransformersEngine:
         self.decode_weights.clear()
 
     def sleep(self) -> None:
-        """Free decode-only memory (the packed weight copies) while the learner runs; the next
-        ``generate`` rebuilds it."""
+        """Free decode-only memory (the packed copies of trainable weights) while the learner
+        runs; the next ``generate`` rebuilds them."""
         self.decode_weights.clear()
 
     async def aclose(self) -> None:

@@ -65,6 +65,29 @@ def test_copies_are_reused_until_a_weight_changes():
         assert weights.packs == 31
 
 
+def test_clear_keeps_copies_of_frozen_weights():
+    """A LoRA policy: the base MLPs and LM head are frozen (kept), the LoRA layers train (dropped)."""
+    from peft.tuners.lora import LoraLayer
+
+    torch.manual_seed(0)
+    model, _ = load_model("tiny-random", lora=dict(r=4, alpha=8))
+    lm = model.get_base_model()
+    n_lora = sum(isinstance(m, LoraLayer) for m in lm.modules())
+    assert 0 < n_lora < 15
+    weights = DecodeWeights()
+    with torch.no_grad():
+        with weights.installed(lm):
+            model(IDS)
+        weights.clear()
+        with weights.installed(lm):
+            model(IDS)
+        assert weights.packs == 15 + n_lora  # only the LoRA layers were packed again
+        weights.clear(frozen=True)
+        with weights.installed(lm):
+            model(IDS)
+        assert weights.packs == 15 + n_lora + 15
+
+
 def test_disabled_or_unpackable_falls_back_to_the_plain_model():
     model, _ = load_model("tiny-random")
     weights = DecodeWeights(enabled=False)
@@ -119,7 +142,7 @@ def test_compiled_step_sleeps_engines_before_learning_and_syncs_after():
         compiled.run(["a", "b"])
         compiled.close()
         assert CountingEngine.calls == ["sleep", "sync_weights"]
-        assert policy.engine.decode_weights.packs > 0 and not policy.engine.decode_weights._cache
+        assert policy.engine.decode_weights.packs > 0 and not policy.engine.decode_weights._cache  # all trainable
         assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
     finally:
         ENGINES._entries.pop("counting-test", None)
