@@ -25,6 +25,9 @@ step by step. The first ``--warmup`` steps of each are dropped; medians of the r
 Memory (``--memory``): peak RSS of a process that builds ONE trainer and runs it for
 ``--memory-steps`` steps, psutil RSS sampled every 5 ms in a thread (one subprocess per
 framework and mode: in the timing process both models are resident, so its RSS is shared).
+These runs also time their steps: a second table, one framework per process. It matters
+because some settings are per process: materl keeps one OpenMP pool and keeps freed memory in
+the heap (``materl/compute.py``), and in the shared timing process TRL benefits from both.
 
 Profile (``--profile``): cProfile of ``--profile-steps`` materl steps (full fine-tune) in every
 thread (event loop, decode worker), merged, top functions by cumulative time.
@@ -185,17 +188,23 @@ def timing(mode: str, warmup: int, steps: int) -> dict:
 
 
 def isolated(framework: str, mode: str, steps: int) -> dict:
-    """One trainer only in this process; peak RSS over build + ``steps`` steps."""
+    """One trainer only in this process: peak RSS over build + ``steps`` steps, and each step's
+    time (what a user of either framework alone sees: no settings shared with the other)."""
     base = psutil.Process().memory_info().rss
     with PeakRSS() as rss:
         if framework == "materl":
             ours = Materl(mode == "lora")
+            times = []
             for _ in range(steps):
+                t0 = time.perf_counter()
                 ours.step()
+                times.append(time.perf_counter() - t0)
         else:
-            trl_trainer(mode == "lora", steps).train()
+            cb = _callback_class()()
+            trl_trainer(mode == "lora", steps, callbacks=[cb]).train()
+            times = cb.trl
     return {"framework": framework, "mode": mode, "peak_rss_mb": rss.peak / 2**20,
-            "baseline_rss_mb": base / 2**20}
+            "baseline_rss_mb": base / 2**20, "steps_s": times}
 
 
 def profile(ours: Materl, steps: int, top: int = 30) -> str:
@@ -270,18 +279,27 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--isolated", fw, m, "--memory-steps", str(a.memory_steps)]
                 cmd += ["--trl-checkpointing"] if a.trl_checkpointing else []
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-                mem[(fw, m)] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mb"]
+                mem[(fw, m)] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"\n| mode | TRL s/step | materl s/step | TRL / materl (goal >= 1.5) | TRL peak RSS MB "
           f"| materl peak RSS MB | materl / TRL (goal <= 1) |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         m = r["mode"]
         t, o = r["trl_median_s"], r["materl_median_s"]
-        mt, mo = mem.get(("trl", m)), mem.get(("materl", m))
+        mt, mo = (mem[(fw, m)]["peak_rss_mb"] if (fw, m) in mem else None for fw in ("trl", "materl"))
         memcols = f"{mt:.0f} | {mo:.0f} | {mo / mt:.2f}" if mt else "- | - | -"
         print(f"| {m} | {t:.2f} | {o:.2f} | {t / o:.2f} | {memcols} |")
     print(f"\n(one process, alternating step by step; medians of {a.steps} steps each after "
           f"{a.warmup} warm-up; peak RSS over build + {a.memory_steps} steps, one framework per process)")
+    if mem and a.memory_steps > 1:
+        print("\none framework per process (the --memory runs), median s/step after the first step:\n")
+        print("| mode | TRL s/step | materl s/step | TRL / materl | TRL steps | materl steps |")
+        print("|---|---|---|---|---|---|")
+        for m in modes:
+            t, o = (mem[(fw, m)]["steps_s"] for fw in ("trl", "materl"))
+            tm, om = statistics.median(t[1:]), statistics.median(o[1:])
+            print(f"| {m} | {tm:.2f} | {om:.2f} | {tm / om:.2f} | {[round(x, 2) for x in t]} | "
+                  f"{[round(x, 2) for x in o]} |")
     if a.profile:
         print("\n## materl step profile (full fine-tune)\n")
         print(profile(warm or Materl(False), a.profile_steps))
