@@ -34,7 +34,7 @@ _EXPORTS = {
     "materl.agent": ["Agent"],
     "materl.rollout.mcp": ["MCPServer", "Toolbox", "mcp_tools"],
     "materl.rollout.env": ["Environment", "env_rollout"],
-    "materl.runtime.train": ["train"],
+    "materl.runtime.train": ["train", "train_rlhf"],
     "materl.runtime.evaluate": ["evaluate"],
     "materl.runtime.export": ["export"],
     "materl.kernels.user_ops": ["mojo_op"],

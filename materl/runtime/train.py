@@ -110,8 +110,9 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
             "run_dir": str(run_dir)}
 
 
-def build_from_config(cfg):
-    """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)."""
+def build_from_config(cfg, *, load_data: bool = True):
+    """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)
+    (empty row lists when not ``load_data``)."""
     import importlib
 
     import materl as ml
@@ -138,7 +139,7 @@ def build_from_config(cfg):
 
         recipe = ml.replace(recipe, "rewards", rewards)
     compiled = Compiled(recipe, agents, cfg.compile_options())
-    train_rows, test_rows = _data_from_config(cfg)
+    train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
     return compiled, train_rows, test_rows
 
 
@@ -169,11 +170,16 @@ def _data_from_config(cfg) -> tuple[list, list]:
     return (train_rows[: d.train_size] if d.train_size else train_rows), test
 
 
-def train_from_config(cfg) -> dict[str, Any]:
-    """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations."""
+def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
+    """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations.
+    ``rows``: in-memory data (a list of rows or a ``datasets.Dataset``) instead of ``cfg.data.source``;
+    the first ``cfg.data.test_size`` rows are held out."""
     from materl.runtime.config import config_to_dict
 
-    compiled, train_rows, test_rows = build_from_config(cfg)
+    compiled, train_rows, test_rows = build_from_config(cfg, load_data=rows is None)
+    if rows is not None:
+        rows = load_rows(rows)
+        test_rows, train_rows = rows[: cfg.data.test_size], rows[cfg.data.test_size:]
     t = cfg.train
     resume = str(Path(t.run_dir)) if t.resume is True else (t.resume or None)
     try:
@@ -188,3 +194,47 @@ def train_from_config(cfg) -> dict[str, Any]:
     last = result["history"][-1] if result["history"] else {}
     return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
             "checkpoint": result["checkpoint"], "run_dir": result["run_dir"]}
+
+
+def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "grpo", dataset: Any = "arithmetic",
+               reward_functions: Any = (), tools: Any = (), steps: int = 100, batch_size: int = 8,
+               lora: dict | None = None, use_mojo: bool = True, test_size: int = 32, eval_every: int = 0,
+               run_dir: str = "runs/materl", seed: int = 0, **compile_options: Any) -> dict[str, Any]:
+    """Train in one call (seed 001's high-level API); the same validated path as ``materl train``.
+
+        result = ml.train_rlhf("smollm2-135m-instruct", algorithm="grpo_tools", dataset="arithmetic",
+                               tools=["python -m materl.tools.calculator"], steps=20, lr=3e-5)
+
+    ``algorithm``: a built-in recipe (``materl recipes`` lists them). ``dataset``: ``"arithmetic"``
+    (generated), a ``.jsonl`` file, a folder saved by ``datasets``, or rows in memory (a list of
+    dicts or a ``datasets.Dataset``); the first ``test_size`` rows are held out for evaluation.
+    ``reward_functions``: names (``"length"``), ``"module:function"`` strings, ``(name, weight)``
+    pairs or ``{"name", "weight", "params"}`` dicts, summed; empty keeps the recipe's rewards.
+    ``use_mojo``: Mojo kernels where available (else the torch ops). Other keywords are compile
+    options (``lr=``, ``group_size=``, ``max_new_tokens=`` ...). Bad values fail before anything
+    loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
+    "evals", "checkpoint", "run_dir"}``.
+    """
+    from materl.runtime.config import validate_config
+
+    in_memory = not isinstance(dataset, (str, Path))
+    specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]
+    cfg = validate_config({
+        "model": {"name": model_name, "lora": lora}, "recipe": algorithm, "rewards": specs, "tools": list(tools),
+        "data": {"source": "arithmetic" if in_memory else str(dataset), "test_size": test_size, "seed": seed},
+        "compile": {"kernels": "auto" if use_mojo else "torch", **compile_options},
+        "train": {"steps": steps, "batch_size": batch_size, "eval_every": eval_every, "run_dir": run_dir,
+                  "seed": seed},
+    }, where="train_rlhf")
+    return train_from_config(cfg, rows=dataset if in_memory else None)
+
+
+def _reward_spec(r: Any) -> dict[str, Any]:
+    if isinstance(r, str):
+        return {"name": r}
+    if isinstance(r, dict):
+        return r
+    if isinstance(r, (tuple, list)) and 1 <= len(r) <= 3:
+        return dict(zip(("name", "weight", "params"), r))
+    raise ConfigError(f"reward_functions entry {r!r}: accepted: a name, 'module:function', (name, weight[, params]) "
+                      f"or a dict with name/weight/params")

@@ -1,11 +1,14 @@
 """ml.train: resume equivalence, config-driven runs through the CLI, evaluation."""
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 import materl as ml
 from materl.cli import main
+from materl.errors import ConfigError
 from materl.recipes import grpo
 from materl.runtime.tasks import arithmetic_rows
 from materl.runtime.train import train
@@ -54,3 +57,22 @@ def test_evaluate_reports_accuracy_and_tool_stats():
     assert result["episodes"] == 2.0 and result["accuracy"] == 0.0  # a random model says neither
     assert set(result) >= {"reward", "reward/exact_match", "reward/length", "turns", "tool_calls"}
     assert result["turns"] == 1.0 and result["tool_calls"] == 0.0
+
+
+def test_train_rlhf_in_one_call(tmp_path):
+    rows = [{"prompt": f"Say {i}.", "answer": str(i)} for i in range(6)]
+    result = ml.train_rlhf("tiny-random", algorithm="grpo", dataset=rows, reward_functions=[("length", 1.0, {"target": 4})],
+                           steps=2, batch_size=2, test_size=2, eval_every=2, run_dir=str(tmp_path / "run"),
+                           use_mojo=False, group_size=2, max_new_tokens=4, lr=1e-3)
+    assert result["final"]["step"] == 2.0 and result["final"]["episodes"] == 4.0  # 2 prompts x group 2
+    assert [e["step"] for e in result["evals"]] == [0, 2] and result["evals"][0]["episodes"] == 2.0  # the 2 held out
+    assert Path(result["checkpoint"]).is_dir() and (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_train_rlhf_rejects_bad_values_by_field_before_loading():
+    with pytest.raises(ConfigError, match=r"train_rlhf.*recipe"):
+        ml.train_rlhf("tiny-random", algorithm="grpoo")
+    with pytest.raises(ConfigError, match=r"compile\.group_size"):
+        ml.train_rlhf("tiny-random", group_size=0)
+    with pytest.raises(ConfigError, match="reward_functions entry"):
+        ml.train_rlhf("tiny-random", reward_functions=[3.5])
