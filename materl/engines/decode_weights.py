@@ -17,8 +17,9 @@ each tensor's storage pointer and torch's in-place version counter, which optimi
 extra copy of the linear weights while they live: the engine drops the copies of trainable
 weights when the rollout stage ends (``TransformersEngine.sleep``), as the learner is about to
 change them. Copies of frozen weights (a LoRA policy's base MLPs and LM head, a reference model)
-stay: they cannot go stale unnoticed, and repacking them was 0.1 s of every LoRA step. Where oneDNN packing is unavailable (GPU tensors, a build
-without mkldnn, dtypes other than float32/bfloat16) only the LoRA merge is applied. Results
+stay: they cannot go stale unnoticed, and repacking them was 0.1 s of every LoRA step. Where
+oneDNN packing is unavailable (GPU tensors, a build without mkldnn, dtypes other than
+float32/bfloat16) only the LoRA merge is applied. Results
 agree with the plain path to float rounding (~1e-6 relative), not bit for bit.
 """
 
