@@ -10,9 +10,10 @@ keeps one OpenMP pool) and the event loop keeps running tool calls and other epi
 requests that arrive during a decode form the next batch.
 
 The decode loop is written here rather than calling ``model.generate``: left padding with
-positions ``cumsum(mask) - 1``, a ``DynamicCache``, identical prompts (a GRPO group) prefilled
-once, per-row stop rules (eos ids, ``stop_token_ids``, stop strings on the decoded tail,
-``max_new_tokens``), finished rows dropped from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
+positions ``cumsum(mask) - 1``, a ``DynamicCache`` that appends in place (``kv_cache.py``),
+identical prompts (a GRPO group) prefilled once, per-row stop rules (eos ids,
+``stop_token_ids``, stop strings on the decoded tail, ``max_new_tokens``), finished rows dropped
+from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
 seeded request samples the same tokens whatever shares its batch. HF ``generate`` has one
 global generator and one set of sampling settings per call, which is why it is not used.
 """
@@ -31,6 +32,7 @@ from torch import Tensor
 from materl import compute
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
+from materl.engines.kv_cache import decode_cache
 from materl.engines.models import causal_lm_of
 from materl.errors import ConfigError, EngineError
 
@@ -209,15 +211,13 @@ class TransformersEngine:
     # -- decode loop ------------------------------------------------------------------------
 
     def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
-        from transformers import DynamicCache
-
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
         # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
         distinct: dict[tuple[int, ...], int] = {}
         owner = [distinct.setdefault(tuple(r.prompt_ids), len(distinct)) for r in batch]
         input_ids, mask = _left_pad([list(p) for p in distinct], self.pad_id, device)
-        cache = DynamicCache(config=lm.config)
+        cache = decode_cache(lm.config, reserve=max(r.params.max_new_tokens for r in batch))
         out = lm(input_ids=input_ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                  past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[:, -1, :]
