@@ -1,6 +1,6 @@
 """Tool-use RL on a CPU: SmolLM2-135M-Instruct learns to use a calculator MCP server.
 
-    python examples/calculator_tool_rl.py            # ~4.5 min on 2 CPU cores
+    python examples/calculator_tool_rl.py            # ~4 min on 2 CPU cores
 
 The policy is the real SmolLM2-135M-Instruct (full fine-tune, AdamW), trained with multi-turn GRPO
 (``recipes/grpo_tools.py``) against the shipped calculator server
