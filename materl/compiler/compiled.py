@@ -7,18 +7,17 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
 import torch
 
 import materl.compiler.score_ops  # noqa: F401  (registers scoring implementations)
 from materl import compute
 from materl.compiler.impls import choose
 from materl.compiler.learner import Learner
+from materl.compiler.loop import LoopThread
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
 from materl.compiler.scheduler import rollout
@@ -62,7 +61,7 @@ class Compiled:
         self.timings: dict[str, float] = {}
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
-        self._portal = self._portal_cm = None
+        self._loop = LoopThread(f"materl-loop:{recipe.name}")
         self.optimizers = {name: self._optimizer(a) for name, a in agents.items() if a.trainable}
         self.references = self._reference_pairs()
         torch.manual_seed(options.seed)
@@ -88,18 +87,14 @@ class Compiled:
         if inside:
             raise CompileError(f"compiled.{fn.__name__.lstrip('a')}() was called inside an event loop; "
                                f"use `await compiled.{fn.__name__}(...)`")
-        if self._portal is None:
-            self._portal_cm = anyio.from_thread.start_blocking_portal()
-            self._portal = self._portal_cm.__enter__()
         with compute.serving() as here:  # this thread decodes and learns while the loop runs the step
-            return here.until(self._portal.start_task_soon(functools.partial(fn, *args, **kwargs)))
+            return here.until(self._loop.submit(fn, *args, **kwargs))
 
     def close(self) -> None:
         """Stop the tool servers this step started and the background event loop."""
-        if self._portal is not None:
-            self._portal.call(self.aclose)
-            self._portal_cm.__exit__(None, None, None)
-            self._portal = self._portal_cm = None
+        if self._loop.running:
+            self._loop.call(self.aclose)
+        self._loop.close()
 
     async def aclose(self) -> None:
         for toolbox in self._toolboxes():
@@ -116,13 +111,6 @@ class Compiled:
     async def start_tools(self) -> None:
         for toolbox in self._toolboxes():
             await toolbox.start()
-
-    def __del__(self):
-        try:
-            if self._portal is not None:
-                self._portal_cm.__exit__(None, None, None)
-        except Exception:
-            pass
 
     async def arun(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
         self.timings = {}
