@@ -7,8 +7,9 @@
     materl tools COMMAND...                                list an MCP server's tools
     materl bench kernels                                   kernel benchmarks
 
-Errors materl raises on purpose (``MaterlError``) print one line to stderr and exit with status 2;
-anything else is a bug and keeps its traceback.
+Errors materl raises on purpose (``MaterlError``) print their message to stderr (the first line
+after ``error:``, details indented below it) and exit with status 2; anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except MaterlError as e:
-        print(f"materl {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        first, *details = _lines(e)
+        print(f"materl {args.command}: error: {first}", file=sys.stderr)
+        for line in details:  # e.g. each failing config field, each kind of failed episode
+            print(f"  {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"materl {args.command}: interrupted", file=sys.stderr)
@@ -184,9 +188,9 @@ def _print_metrics(result: Any) -> None:
         print(result)
 
 
-def _one_line(e: BaseException) -> str:
+def _lines(e: BaseException) -> list[str]:
     text = str(e).strip() or type(e).__name__
-    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 if __name__ == "__main__":

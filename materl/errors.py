@@ -58,5 +58,10 @@ class EpisodeError(MaterlError, RuntimeError):
     """An episode failed; the scheduler records it and leaves it out of the update."""
 
 
+class StepFailedError(MaterlError, RuntimeError):
+    """A training step failed as a whole: too many of its episodes failed, or none was left to
+    learn from. The message lists the first error of each kind with its node and count."""
+
+
 class StepTimeoutError(MaterlError, TimeoutError):
     """An episode, tool call or step ran past its time limit."""

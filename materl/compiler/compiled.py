@@ -16,6 +16,7 @@ import torch
 import materl.compiler.score_ops  # noqa: F401  (registers scoring implementations)
 from materl import compute
 from materl.compiler.impls import choose
+from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
 from materl.compiler.options import CompileOptions
@@ -61,6 +62,7 @@ class Compiled:
         self.timings: dict[str, float] = {}
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
+        self.failures = FailurePolicy(options.max_failed_fraction)
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
         self.optimizers = {name: self._optimizer(a) for name, a in agents.items() if a.trainable}
         self.references = self._reference_pairs()
@@ -135,10 +137,10 @@ class Compiled:
     async def learn(self, episodes: list[Episode]) -> dict[str, float]:
         ok = [e for e in episodes if e.ok]
         metrics = self.rollout_metrics(episodes)
+        metrics.update(self.failures.metrics(episodes))
+        self.failures.check(episodes, step=self.step_count + 1)
+        self.failures.check_update(episodes, step=self.step_count + 1)
         self.last_episodes = ok
-        if not ok:
-            metrics["skipped_update"] = 1.0
-            return metrics
         started = [a for a in self.agents.values() if getattr(a, "_engine", None) is not None]
         for engine in {id(a._engine): a._engine for a in started}.values():
             engine_sleep(engine)  # the rollout stage is over: free decode-only memory
@@ -210,7 +212,7 @@ class Compiled:
                 m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))
         if self.timings.get("stage/rollout"):
             m["time/rollout"] = self.timings["stage/rollout"]
-        self.last_errors = [e.error for e in episodes if e.error]
+        self.last_errors = [str(e.error) for e in episodes if e.error]
         return m
 
     def optimizer_step(self) -> float:

@@ -1,82 +1,95 @@
-"""Compile options: one typed, validated record; every knob has one default, here."""
+"""Compile options: one typed, validated, frozen record; every knob has one default, here.
+
+    CompileOptions.from_kwargs(group_size=8, lr=1e-5)   # what ml.compile(recipe, ..., **options) builds
+    CompileOptions(group_size=2.5)                       # pydantic ValidationError
+    CompileOptions.from_kwargs(group_size=2.5)           # ConfigError: "compile option group_size: ..."
+
+The same model is the ``compile:`` section of a YAML config (``materl.runtime.config``), so a bad
+type or value there is refused with its path (``compile.group_size``) before any model loads.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from materl.errors import ConfigError
+from materl.validation import describe
 
 
-@dataclass(frozen=True)
-class CompileOptions:
+class CompileOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     # rollout
-    group_size: int = 4  # episodes per prompt
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_turns: int = 4  # cap on generate steps per episode (env rollouts)
-    max_concurrent_episodes: int = 256
-    episode_timeout_s: float = 300.0
-    tool_timeout_s: float = 30.0
+    group_size: int = Field(4, ge=1, description="episodes per prompt")
+    max_new_tokens: int = Field(64, ge=1, description="per model turn")
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, ge=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 = off")
+    max_turns: int = Field(4, ge=1, description="cap on model turns per episode")
+    max_concurrent_episodes: int = Field(256, ge=1)
+    episode_timeout_s: float = Field(300.0, gt=0.0)
+    tool_timeout_s: float = Field(30.0, gt=0.0, description="per tool call")
+    max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0,
+                                       description="a step in which more episodes fail stops the run")
     system_prompt: str | None = None
     # learner
-    lr: float = 1e-6
-    optimizer: str = "adamw"  # adamw, sgd
-    value_lr: float | None = None  # default: lr
-    weight_decay: float = 0.0
+    lr: float = Field(1e-6, ge=0.0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    value_lr: float | None = Field(None, ge=0.0, description="default: lr")
+    weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = 1.0
-    epochs: int = 1  # passes over each rollout batch (PPO epochs)
-    mini_batch_size: int | None = None  # rows per optimizer step (default: the whole batch)
-    micro_batch_size: int | None = None  # rows per forward/backward (default: the mini-batch)
-    shuffle: bool = False  # shuffle rows between epochs (seeded)
-    logprob_chunk_size: int = 1024  # rows of the (tokens x vocab) matrix held at once
-    share_prompts: bool = True  # rows with the same prompt run it once in the learner forward
-    advantage: str | None = None  # default advantage estimator (else the recipe's, else grpo)
-    reference: str = "frozen"  # reference-model policy: none, frozen, ema, periodic, adaptive
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null: no clipping")
+    epochs: int = Field(1, ge=1, description="passes over each rollout batch (PPO epochs)")
+    mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step; default: the batch")
+    micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward; default: the mini-batch")
+    shuffle: bool = Field(False, description="shuffle rows between epochs (seeded)")
+    logprob_chunk_size: int = Field(1024, ge=1, description="rows of the (tokens x vocab) matrix held at once")
+    share_prompts: bool = Field(True, description="rows with the same prompt run it once in the learner")
+    advantage: str | None = Field(None, description="default estimator; else the recipe's, else grpo")
+    reference: str = Field("frozen", description="reference-model policy")
     reference_options: tuple[tuple[str, Any], ...] = ()
     seed: int = 0
     # implementation choices
-    kernels: str = "auto"  # auto (Mojo where available), torch, mojo
+    kernels: Literal["auto", "torch", "mojo"] = "auto"
     cuda_graphs: bool = False
 
-    _ranges = {
-        "group_size": (1, None), "max_new_tokens": (1, None), "temperature": (0.0, None),
-        "top_p": (0.0, 1.0), "top_k": (0, None), "max_turns": (1, None),
-        "max_concurrent_episodes": (1, None), "episode_timeout_s": (0.0, None), "tool_timeout_s": (0.0, None),
-        "lr": (0.0, None), "weight_decay": (0.0, None), "epochs": (1, None), "mini_batch_size": (1, None),
-        "micro_batch_size": (1, None), "logprob_chunk_size": (1, None), "max_grad_norm": (0.0, None),
-    }
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
 
-    def __post_init__(self):
-        for name, (lo, hi) in self._ranges.items():
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or (lo is not None and v < lo) or (
-                hi is not None and v > hi
-            ):
-                rng = f"[{lo}, {'inf' if hi is None else hi}]"
-                raise ConfigError(f"compile option {name}={v!r} is out of range; accepted: {rng}")
-        if self.optimizer not in ("adamw", "sgd"):
-            raise ConfigError(f"compile option optimizer={self.optimizer!r}; accepted: adamw, sgd")
-        if self.kernels not in ("auto", "torch", "mojo"):
-            raise ConfigError(f"compile option kernels={self.kernels!r}; accepted: auto, torch, mojo")
+    @field_validator("reference_options", mode="before")
+    @classmethod
+    def _reference_options(cls, v: Any) -> Any:
+        return tuple(sorted(v.items())) if isinstance(v, dict) else v
+
+    @field_validator("advantage")
+    @classmethod
+    def _advantage(cls, v: str | None) -> str | None:
+        from materl.ops.advantages import ADVANTAGES
+
+        if v is not None and v not in ADVANTAGES:
+            raise ValueError(ADVANTAGES.unknown_message(v))
+        return v
+
+    @field_validator("reference")
+    @classmethod
+    def _reference(cls, v: str) -> str:
+        from materl.ops.reference import REFERENCE_POLICIES
+
+        if v not in REFERENCE_POLICIES:
+            raise ValueError(REFERENCE_POLICIES.unknown_message(v))
+        return v
 
     @classmethod
     def from_kwargs(cls, **kw: Any) -> CompileOptions:
-        known = {f.name for f in fields(cls) if not f.name.startswith("_")}
-        unknown = sorted(set(kw) - known)
-        if unknown:
-            import difflib
-
-            hints = [f"{u!r} (did you mean {difflib.get_close_matches(u, known, 1)[0]!r}?)"
-                     if difflib.get_close_matches(u, known, 1) else repr(u) for u in unknown]
-            raise ConfigError(f"unknown compile option(s) {', '.join(hints)}; options: {', '.join(sorted(known))}")
-        if isinstance(kw.get("reference_options"), dict):
-            kw["reference_options"] = tuple(sorted(kw["reference_options"].items()))
-        if isinstance(kw.get("betas"), list):
-            kw["betas"] = tuple(kw["betas"])
-        return cls(**kw)
+        """Validated options from keyword arguments; ``ConfigError`` names each bad option."""
+        try:
+            return cls.model_validate(kw)
+        except ValidationError as e:
+            raise ConfigError(describe(e, cls, where="compile option(s)").replace(
+                "invalid compile option(s): ", "compile option ")) from None

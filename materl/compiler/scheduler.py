@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import inspect
 import time
-import traceback
 
 import anyio
 
+from materl.compiler.failures import Failure
 from materl.compiler.impls import IMPLS
 from materl.compiler.values import Episode, resolve, split
 from materl.errors import StepTimeoutError
@@ -44,6 +44,7 @@ async def run_batch_node(rt, name: str, eps: list[Episode]) -> None:
 
 async def run_episode(rt, ep: Episode) -> None:
     plan = rt.plan
+    name = "(start)"
     try:
         with anyio.fail_after(rt.options.episode_timeout_s):
             for name in plan.episode:
@@ -60,10 +61,10 @@ async def run_episode(rt, ep: Episode) -> None:
                 ep.timings[name] = time.perf_counter() - t0
                 store(ep, node, value)
     except TimeoutError:
-        ep.error = f"{StepTimeoutError.__name__}: episode exceeded episode_timeout_s={rt.options.episode_timeout_s}"
+        ep.error = Failure(name, StepTimeoutError.__name__,
+                           f"episode exceeded episode_timeout_s={rt.options.episode_timeout_s}")
     except Exception as e:  # recorded on the episode, never raised out of the step
-        ep.error = f"{type(e).__name__}: {e}"
-        ep.metrics["traceback"] = traceback.format_exc(limit=4)
+        ep.error = Failure.of(name, e)
 
 
 async def rollout(rt, episodes: list[Episode]) -> None:
@@ -99,6 +100,7 @@ async def fire_group(rt, members: list[Episode]) -> None:
         try:
             await run_batch_node(rt, name, live)
         except Exception as e:
+            failure = Failure.of(name, e)
             for m in live:
-                m.error = f"group node {name!r} failed: {type(e).__name__}: {e}"
+                m.error = failure
             return

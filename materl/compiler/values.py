@@ -28,7 +28,7 @@ class Episode:
     values: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    error: str | None = None
+    error: Any = None  # a materl.compiler.failures.Failure once the episode failed
     filtered: bool = False
 
     @property

@@ -18,7 +18,6 @@ dataclasses. Deliberate difference: no interpolation, no config groups — one f
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +25,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from materl.compiler.options import CompileOptions
 from materl.errors import ConfigError
+from materl.validation import describe, did_you_mean
 
 # Recipes built from a factory that needs the run's toolbox (``recipes/grpo_tools.py``), so they
 # are not in ``materl.recipes.names()``; the trainer builds them with the configured tools.
@@ -102,7 +103,7 @@ class RewardSpec(_Section):
 
         if v in REWARDS or _DOTTED_FN.match(v):
             return v
-        raise ValueError(f"unknown reward {v!r}{_did_you_mean(v, REWARDS.names())}; accepted: "
+        raise ValueError(f"unknown reward {v!r}{did_you_mean(v, REWARDS.names())}; accepted: "
                          f"{', '.join(REWARDS.names())} or 'package.module:function'")
 
 
@@ -152,7 +153,7 @@ class LoggingSection(_Section):
 
 
 class TrainConfig(_Section):
-    """The whole run. ``compile`` holds :class:`CompileOptions` keywords (validated by it)."""
+    """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""
 
     model: ModelSection = Field(default_factory=ModelSection)
     ref_model: RefModelSection = Field(default_factory=RefModelSection)
@@ -160,7 +161,7 @@ class TrainConfig(_Section):
     rewards: list[RewardSpec] = Field(default_factory=list)  # empty: the recipe's own rewards
     tools: list[str] = Field(default_factory=list)  # MCP server command lines or http(s) URLs
     data: DataSection = Field(default_factory=DataSection)
-    compile: dict[str, Any] = Field(default_factory=dict)
+    compile: CompileOptions = Field(default_factory=CompileOptions)
     train: TrainSection = Field(default_factory=TrainSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
@@ -169,7 +170,7 @@ class TrainConfig(_Section):
     def _known_recipe(cls, v: str) -> str:
         choices = recipe_choices()
         if v not in choices:
-            raise ValueError(f"unknown recipe {v!r}{_did_you_mean(v, choices)}; accepted: {', '.join(choices)}")
+            raise ValueError(f"unknown recipe {v!r}{did_you_mean(v, choices)}; accepted: {', '.join(choices)}")
         return v
 
     @field_validator("tools")
@@ -182,23 +183,11 @@ class TrainConfig(_Section):
                 raise ValueError(f"tools[{i}]={spec!r} has an unsupported scheme; accepted: http://, https://")
         return v
 
-    @field_validator("compile")
-    @classmethod
-    def _compile_options(cls, v: dict[str, Any]) -> dict[str, Any]:
-        from materl.compiler.options import CompileOptions
-
-        try:
-            CompileOptions.from_kwargs(**v)
-        except ConfigError as e:  # name the option by its path: compile.group_size=0 ...
-            msg = re.sub(r"compile option (\w+)=", r"compile.\1=", str(e), count=1)
-            raise ValueError(msg.replace("unknown compile option(s)", "unknown option(s)")) from None
-        return v
-
-    def compile_options(self):
-        """The validated :class:`~materl.compiler.options.CompileOptions` (seed defaults to train.seed)."""
-        from materl.compiler.options import CompileOptions
-
-        return CompileOptions.from_kwargs(**{"seed": self.train.seed, **self.compile})
+    def compile_options(self) -> CompileOptions:
+        """The validated compile options (``seed`` defaults to ``train.seed`` unless set in ``compile``)."""
+        if "seed" in self.compile.model_fields_set:
+            return self.compile
+        return self.compile.model_copy(update={"seed": self.train.seed})
 
 
 def recipe_choices() -> list[str]:
@@ -239,16 +228,17 @@ def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConf
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, where)) from None
+        raise ConfigError(describe(e, TrainConfig, where=f"config ({where})")) from None
     _check_data_source(cfg.data.source, where)
     return cfg
 
 
 def config_to_dict(cfg: TrainConfig | dict) -> dict[str, Any]:
-    """Plain JSON/YAML-safe dict of a config (a dict passes through as a copy)."""
+    """Plain JSON/YAML-safe dict of a config (a dict passes through as a copy); ``compile`` holds
+    the effective options (its seed resolved from ``train.seed``)."""
     if isinstance(cfg, dict):
         return dict(cfg)
-    return cfg.model_dump(mode="json")
+    return {**cfg.model_dump(mode="json"), "compile": cfg.compile_options().model_dump(mode="json")}
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
@@ -290,7 +280,7 @@ def _check_model(name: str) -> str:
     if name in NAMED_MODELS or (Path(name).expanduser() / "config.json").is_file():
         return name
     raise ValueError(f"model {name!r} is neither a named model nor a folder with config.json"
-                     f"{_did_you_mean(name, NAMED_MODELS.names())}; named models: {', '.join(NAMED_MODELS.names())}")
+                     f"{did_you_mean(name, NAMED_MODELS.names())}; named models: {', '.join(NAMED_MODELS.names())}")
 
 
 def _resolve_data_source(data: dict[str, Any], config_dir: Path) -> None:
@@ -314,51 +304,3 @@ def _check_data_source(source: str, where: str) -> None:
                       f"(in {where})")
 
 
-def _describe(err: ValidationError, where: str) -> str:
-    lines = [_describe_one(e) for e in err.errors(include_url=False)]
-    head = f"invalid config ({where}): " if len(lines) == 1 else f"invalid config ({where}), {len(lines)} errors:\n  "
-    return head + "\n  ".join(lines)
-
-
-def _describe_one(e: dict[str, Any]) -> str:
-    path = ".".join(str(p) for p in e["loc"]) or "(top level)"
-    kind, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
-    if kind == "extra_forbidden":
-        parent, key = e["loc"][:-1], str(e["loc"][-1])
-        valid = _section_keys(parent)
-        return f"{path}: unknown key {key!r}{_did_you_mean(key, valid)}; valid keys: {', '.join(valid)}"
-    if kind == "missing":
-        return f"{path}: required, missing"
-    bounds = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
-              "less_than": "< {lt}"}
-    if kind in bounds:
-        return f"{path}={value!r} is out of range; accepted: {bounds[kind].format(**ctx)}"
-    if kind == "literal_error":
-        return f"{path}={value!r}; accepted: {ctx.get('expected', '')}"
-    msg = str(ctx.get("error", e["msg"]))
-    msg = msg.removeprefix("Value error, ")
-    if msg.startswith(path):
-        return msg
-    return f"{path}: {msg}" + ("" if repr(value) in msg or isinstance(value, dict) else f" (got {value!r})")
-
-
-def _section_keys(loc: tuple) -> list[str]:
-    """Field names of the section at ``loc`` (for "valid keys: ..." in unknown-key errors)."""
-    from typing import get_args
-
-    model: Any = TrainConfig
-    for part in loc:
-        if str(part).isdigit():  # an item of a list section (rewards.0)
-            continue
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        nested = [a for a in (ann, *get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
-        if not nested:
-            return []
-        model = nested[0]
-    return list(model.model_fields)
-
-
-def _did_you_mean(name: str, choices: list[str]) -> str:
-    close = difflib.get_close_matches(str(name), choices, n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""

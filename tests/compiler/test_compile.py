@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import materl as ml
+from materl.errors import StepFailedError
 from tests.tolerance import assert_same_update
 from materl.errors import CompileError, ConfigError
 from materl.recipes import RECIPES, grpo
@@ -116,8 +117,9 @@ def test_failed_episode_is_recorded_and_left_out(tiny):
 
     step = ml.compile(r, policy=tiny(trainable=True), group_size=2, max_new_tokens=3)
     metrics = step.run(prompts=["ok", "bad!"])
-    assert metrics["failed_episodes"] == 2 and metrics["episodes"] == 4
-    assert all("tool server exploded" in e for e in step.last_errors)
+    assert metrics["failed_episodes"] == 2 and metrics["episodes"] == 4  # half: below max_failed_fraction=0.5
+    assert metrics["failures/flaky/RuntimeError"] == 2
+    assert all("RuntimeError in node 'flaky': tool server exploded" in e for e in step.last_errors)
     assert len(step.last_episodes) == 2  # the update used the two good episodes
 
 
@@ -134,8 +136,10 @@ def test_a_hanging_episode_times_out(tiny):
         ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
 
     step = ml.compile(r, policy=tiny(trainable=True), group_size=2, max_new_tokens=2, episode_timeout_s=0.5)
-    metrics = step.run(prompts=["x"])
-    assert metrics["failed_episodes"] == 2 and metrics["skipped_update"] == 1.0
+    with pytest.raises(StepFailedError) as info:
+        step.run(prompts=["x"])
+    assert "step 1: 2 of 2 episodes failed" in str(info.value)
+    assert "2 x StepTimeoutError in node 'hang': episode exceeded episode_timeout_s=0.5" in str(info.value)
     assert "episode_timeout_s=0.5" in step.last_errors[0]
 
 

@@ -22,7 +22,7 @@ def write(tmp_path, data) -> Path:
 
 def test_example_configs_load():
     tiny = load_config(EXAMPLES / "tiny_grpo.yaml")
-    assert (tiny.model.name, tiny.recipe, tiny.compile["group_size"]) == ("tiny-random", "grpo", 2)
+    assert (tiny.model.name, tiny.recipe, tiny.compile.group_size) == ("tiny-random", "grpo", 2)
     assert [(r.name, r.weight) for r in tiny.rewards] == [("length", 0.1), ("diversity", 0.9)]
     calc = load_config(EXAMPLES / "calculator_grpo.yaml")
     assert calc.recipe == "grpo_tools"
@@ -47,7 +47,7 @@ def test_overrides_parse_yaml_scalars(tmp_path):
                              "rewards.0.weight=0.5", "train.resume=null", "model.lora={r: 4}",
                              "train.run_dir=/tmp/x y"])
     assert cfg.train.steps == 3 and isinstance(cfg.train.steps, int)
-    assert cfg.compile == {"lr": 1e-5}  # YAML 1e-5 -> float (compile section created on the fly)
+    assert cfg.compile.lr == 1e-5 and cfg.compile.model_fields_set == {"lr"}  # YAML 1e-5 -> float
     assert cfg.logging.wandb is False and cfg.rewards[0].weight == 0.5 and cfg.train.resume is None
     assert cfg.model.lora == {"r": 4} and cfg.train.run_dir == "/tmp/x y"
 
@@ -75,9 +75,15 @@ def test_bad_overrides(item, needle):
     ("recipe=grpp", ["recipe", "'grpp'", "did you mean 'grpo'", "grpo_tools"]),
     ("rewards.0.name=lenght", ["rewards.0.name", "did you mean 'length'", "exact_match"]),
     ("rewards.0.wieght=1", ["rewards.0.wieght", "valid keys: name, weight, params"]),
-    ("compile.group_size=0", ["compile.group_size=0", "[1, inf]"]),
+    ("compile.group_size=0", ["compile.group_size=0", ">= 1", "episodes per prompt"]),
     ("compile.gruop_size=2", ["compile", "'gruop_size'", "did you mean 'group_size'"]),
-    ("compile.kernels=cuda", ["compile.kernels='cuda'", "auto, torch, mojo"]),
+    ("compile.kernels=cuda", ["compile.kernels='cuda'", "'auto', 'torch' or 'mojo'"]),
+    ("compile.group_size=2.5", ["compile.group_size", "valid integer", "2.5", "an integer >= 1"]),
+    ("compile.betas=0.9", ["compile.betas", "0.9", "a list of 2 numbers"]),
+    ("compile.lr=fast", ["compile.lr", "'fast'", "valid number", "a number >= 0.0"]),
+    ("compile.shuffle=maybe", ["compile.shuffle", "'maybe'", "true or false"]),
+    ("compile.reference=sticky", ["compile.reference", "'sticky'", "frozen", "ema"]),
+    ("compile.advantage=gpro", ["compile.advantage", "Did you mean 'grpo'"]),
     ("model.name=gpt5", ["model.name", "'gpt5'", "tiny-random"]),
     ("model.head=policy", ["model.head='policy'", "'value'"]),
     ("model.lora={rank: 4}", ["model.lora", "'rank'", "r, alpha, dropout, targets"]),
@@ -125,7 +131,10 @@ def test_config_to_dict_round_trips():
     assert d["rewards"] == [{"name": "length", "weight": 0.2, "params": {}}]
     assert d["train"]["steps"] == 100 and d["logging"]["tensorboard"] is None
     assert yaml.safe_load(yaml.safe_dump(d)) == d  # plain data
-    assert validate_config(d) == cfg
+    assert d["compile"]["lr"] == 1e-4 and d["compile"]["seed"] == cfg.train.seed  # the effective options
+    again = validate_config(d)
+    assert again.compile_options() == cfg.compile_options()
+    assert again.model_dump(exclude={"compile"}) == cfg.model_dump(exclude={"compile"})
 
 
 def test_recipe_choices_include_builtins_and_tool_recipes():
@@ -139,4 +148,17 @@ def test_yaml_exponent_floats(tmp_path):
     # PyYAML (YAML 1.1) reads "1e-5" as a string; configs read it as the float it means
     (tmp_path / "c.yaml").write_text("compile:\n  lr: 1e-5\n  temperature: 7E-1\ntrain:\n  run_dir: 1e5x\n")
     cfg = load_config(tmp_path / "c.yaml")
-    assert cfg.compile == {"lr": 1e-5, "temperature": 0.7} and cfg.train.run_dir == "1e5x"
+    assert (cfg.compile.lr, cfg.compile.temperature, cfg.train.run_dir) == (1e-5, 0.7, "1e5x")
+
+
+def test_compile_options_are_refused_before_anything_loads(monkeypatch):
+    """Validation is pure: a bad compile option fails in validate_config, which loads no model."""
+    import materl.engines.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for bad in ({"group_size": 2.5}, {"betas": 0.9}, {"lr": "fast"}, {"shuffle": "maybe"}):
+        with pytest.raises(ConfigError) as e:
+            validate_config({"compile": bad})
+        assert f"compile.{next(iter(bad))}" in str(e.value)
+    with pytest.raises(ConfigError, match="compile option group_size"):
+        CompileOptions.from_kwargs(group_size=2.5)
