@@ -3,7 +3,7 @@
     materl train CONFIG.yaml [--set train.steps=3 ...]     train from a config (see runtime/config.py)
     materl eval CONFIG.yaml [--checkpoint PATH]            evaluate the config's model or a checkpoint
     materl export CHECKPOINT OUT_DIR [--agent policy] [--no-merge]
-    materl recipes [NAME]                                  list built-in recipes / print one's graph
+    materl recipes [NAME] [--tool SERVER]                  list built-in recipes / print one's graph
     materl tools COMMAND...                                list an MCP server's tools
     materl bench kernels                                   kernel benchmarks
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     x.set_defaults(func=cmd_export)
 
     r = sub.add_parser("recipes", help="list built-in recipes, or print one's graph")
-    r.add_argument("name", nargs="?")
+    r.add_argument("name", nargs="?", help="a built-in recipe or package.module:recipe")
+    r.add_argument("--tool", dest="tools", action="append", default=[], metavar="SERVER",
+                   help="tool server for recipes built from a Toolbox (default for grpo_tools: the calculator)")
     r.set_defaults(func=cmd_recipes)
 
     tl = sub.add_parser("tools", help="list the tools of an MCP server command line or URL")
@@ -115,7 +118,9 @@ def cmd_recipes(args: argparse.Namespace) -> int:
     import materl.recipes
 
     if args.name:
-        print(materl.recipes.get(args.name))
+        from materl.runtime.resolve import resolve_recipe
+
+        print(resolve_recipe(args.name, tools=args.tools, search=[Path.cwd()]))
         return 0
     names = materl.recipes.names()
     width = max(map(len, names), default=0)
@@ -161,9 +166,8 @@ def recipe_summary(name: str) -> str:
     """First line of a built-in recipe's docstring (the recipe's, else its module's)."""
     import materl.recipes
 
-    recipe = materl.recipes.get(name)
-    doc = getattr(recipe, "doc", "") or (sys.modules.get(f"materl.recipes.{name}").__doc__
-                                         if f"materl.recipes.{name}" in sys.modules else "") or ""
+    doc = materl.recipes.doc(name) or (sys.modules.get(f"materl.recipes.{name}").__doc__
+                                       if f"materl.recipes.{name}" in sys.modules else "") or ""
     return doc.strip().splitlines()[0] if doc.strip() else ""
 
 

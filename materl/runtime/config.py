@@ -23,17 +23,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from materl.compiler.options import CompileOptions
 from materl.errors import ConfigError
+from materl.runtime.resolve import is_dotted
 from materl.validation import describe, did_you_mean
 
-# Recipes built from a factory that needs the run's toolbox (``recipes/grpo_tools.py``), so they
-# are not in ``materl.recipes.names()``; the trainer builds them with the configured tools.
-TOOL_RECIPES = ("grpo_tools",)
 DATA_GENERATORS = ("arithmetic",)
-_DOTTED_FN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:function"
 
 
 class _Loader(yaml.SafeLoader):
@@ -101,7 +98,7 @@ class RewardSpec(_Section):
     def _known_reward(cls, v: str) -> str:
         from materl.ops.rewards import REWARDS
 
-        if v in REWARDS or _DOTTED_FN.match(v):
+        if v in REWARDS or is_dotted(v):
             return v
         raise ValueError(f"unknown reward {v!r}{did_you_mean(v, REWARDS.names())}; accepted: "
                          f"{', '.join(REWARDS.names())} or 'package.module:function'")
@@ -164,13 +161,21 @@ class TrainConfig(_Section):
     compile: CompileOptions = Field(default_factory=CompileOptions)
     train: TrainSection = Field(default_factory=TrainSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    _base_dir: Path | None = PrivateAttr(default=None)  # the config file's folder (load_config)
+
+    @property
+    def search_dirs(self) -> list[Path]:
+        """Where ``module:attribute`` names are looked up besides sys.path: the config file's
+        folder, then the working directory."""
+        return [p for p in (self._base_dir, Path.cwd()) if p is not None]
 
     @field_validator("recipe")
     @classmethod
     def _known_recipe(cls, v: str) -> str:
         choices = recipe_choices()
-        if v not in choices:
-            raise ValueError(f"unknown recipe {v!r}{did_you_mean(v, choices)}; accepted: {', '.join(choices)}")
+        if v not in choices and not is_dotted(v):
+            raise ValueError(f"unknown recipe {v!r}{did_you_mean(v, choices)}; accepted: {', '.join(choices)} "
+                             f"or 'package.module:recipe' (a module next to the config works)")
         return v
 
     @field_validator("tools")
@@ -191,10 +196,10 @@ class TrainConfig(_Section):
 
 
 def recipe_choices() -> list[str]:
-    """Recipe names a config may use: the built-ins plus the toolbox-built ones."""
+    """Built-in recipe names a config may use (besides ``package.module:recipe``)."""
     import materl.recipes
 
-    return sorted(set(materl.recipes.names()) | set(TOOL_RECIPES))
+    return materl.recipes.names()
 
 
 # ----------------------------------------------------------------------------- loading
@@ -220,7 +225,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         apply_override(data, item)
     _resolve_data_source(data, path.parent)
-    return validate_config(data, where=str(path))
+    cfg = validate_config(data, where=str(path))
+    cfg._base_dir = path.resolve().parent
+    return cfg
 
 
 def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:

@@ -112,46 +112,35 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
 
 def build_from_config(cfg, *, load_data: bool = True):
     """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)
-    (empty row lists when not ``load_data``)."""
-    import importlib
-
+    (empty row lists when not ``load_data``). User code named ``module:attribute`` (the recipe,
+    rewards) is found on sys.path, next to the config file or in the working directory."""
     import materl as ml
-    import materl.recipes
     from materl.compiler.compiled import Compiled
+    from materl.runtime.resolve import import_symbol, is_dotted, resolve_recipe
 
-    recipe = _recipe_from_config(cfg)
-    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
-    if "ref_policy" in recipe.agents:
-        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
-    if "value_model" in recipe.agents:
-        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
+    options = cfg.compile_options()
+    recipe = resolve_recipe(cfg.recipe, tools=cfg.tools, tool_timeout_s=options.tool_timeout_s,
+                            search=cfg.search_dirs)
     if cfg.rewards:
+        fns = [import_symbol(spec.name, search=cfg.search_dirs, what=f"rewards[{i}].name")
+               if is_dotted(spec.name) else spec.name for i, spec in enumerate(cfg.rewards)]
+
         def rewards(graph):
             total = None
-            for spec in cfg.rewards:
-                fn = spec.name
-                if ":" in fn:
-                    module, attr = fn.split(":")
-                    fn = getattr(importlib.import_module(module), attr)
+            for fn, spec in zip(fns, cfg.rewards):
                 term = ml.reward(fn, weight=spec.weight, **spec.params)
                 total = term if total is None else total + term
             return total
 
         recipe = ml.replace(recipe, "rewards", rewards)
-    compiled = Compiled(recipe, agents, cfg.compile_options())
+    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
+    if "ref_policy" in recipe.agents:
+        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
+    if "value_model" in recipe.agents:
+        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
+    compiled = Compiled(recipe, agents, options)
     train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
     return compiled, train_rows, test_rows
-
-
-def _recipe_from_config(cfg):
-    import materl as ml
-    import materl.recipes
-
-    if cfg.recipe == "grpo_tools":
-        from materl.recipes.grpo_tools import grpo_tools_recipe
-
-        return grpo_tools_recipe(ml.mcp_tools(*(cfg.tools or ["python -m materl.tools.calculator"])))
-    return materl.recipes.get(cfg.recipe)
 
 
 def _data_from_config(cfg) -> tuple[list, list]:
