@@ -9,7 +9,7 @@ call, so an async ``@ml.op`` forces one per turn: it rewrites the last generate 
 ``ml.generate_step``, which appends the result as exact tokens and generates.
 
 - scheduler:  the recipe compiled (rollout stage only), all 64 episodes as async tasks;
-- sequential: the seed-004 ``create_multiturn_rollout`` loop: for each episode, for each turn,
+- sequential: a plain multi-turn rollout loop: for each episode, for each turn,
   generate, then await the tool (same engine, same toolbox, same materl step functions);
 - bound:      the critical path with perfect overlap: 4 batched generations of 64 rows (each
   measured on the real contexts of that turn, the 64 requests in flight at once) + 3 x 0.2 s.
@@ -80,7 +80,7 @@ async def run_scheduler(compiled: Compiled, group_size: int) -> tuple[float, lis
 
 
 async def run_sequential(compiled: Compiled, episodes: list, toolbox, *, tool_calls: int) -> float:
-    """One episode after another, each turn: generate, then await the tool (seed 004 style)."""
+    """One episode after another, each turn: generate, then await the tool (a plain for-loop)."""
     agent = compiled.agents["policy"]
     node = compiled.plan.nodes["turn_1"]
     t0 = time.perf_counter()
@@ -180,7 +180,7 @@ def report(out: dict, args) -> None:
     print("\n| rollout | wall | vs bound |")
     print("|---|---|---|")
     print(f"| materl scheduler | {sched:.2f} s | {sched / bound:.2f} |")
-    print(f"| sequential loop (seed 004 style) | {seq:.2f} s | {seq / bound:.1f} |")
+    print(f"| sequential loop (a plain for-loop) | {seq:.2f} s | {seq / bound:.1f} |")
     print(f"| critical-path bound ({args.tool_calls + 1} batched generations + {args.tool_calls} x {TOOL_S} s) | "
           f"{bound:.2f} s | 1.00 |")
     ok1, ok2 = sched / bound <= 1.25, seq / sched >= 10

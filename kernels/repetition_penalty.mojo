@@ -1,4 +1,4 @@
-# Example user kernel for @ml.mojo_op (seed 000 section 6): a repetition penalty per completion.
+# Example user kernel for @ml.mojo_op: a repetition penalty per completion.
 #
 #     @ml.mojo_op(path="kernels/repetition_penalty.mojo")
 #     def repetition_penalty(completions: torch.Tensor) -> {"penalty_scores": torch.Tensor}: ...

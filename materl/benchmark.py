@@ -1,4 +1,4 @@
-"""Compare implementations of an op side by side (seed 001 §6), in one process, as ratios.
+"""Compare implementations of an op side by side , in one process, as ratios.
 
     from materl.benchmark import compare_implementations
     print(compare_implementations("repetition", implementations=["python", "torch", "mojo"],

@@ -7,7 +7,7 @@ length budget). No KL term, as in the paper.
 
 Differences: dynamic sampling drops the filtered groups from this step; the paper re-samples
 until the batch is full (``ml.train(..., oversample=...)`` draws extra prompts to do the same).
-Note: the seed notebook's "DAPO" is a pairwise preference loss; this is the published algorithm.
+Note: some code calls a pairwise preference loss "DAPO"; this is the published algorithm.
 """
 
 import materl as ml

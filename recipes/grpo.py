@@ -1,6 +1,6 @@
 """GRPO — Group Relative Policy Optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
-The seed's canonical recipe: G samples per prompt, advantages normalised by the group's mean and
+The canonical recipe: G samples per prompt, advantages normalised by the group's mean and
 std, the clipped surrogate averaged per sequence then over sequences, and a k3 KL penalty to a
 frozen reference at beta=0.04, as in the paper.
 

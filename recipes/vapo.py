@@ -1,4 +1,4 @@
-"""VAPO — Value-based Augmented PPO (Yue et al. 2025, arXiv:2504.05118), as the seed writes it:
+"""VAPO — Value-based Augmented PPO (Yue et al. 2025, arXiv:2504.05118), written as a transform of GRPO:
 GRPO with the group advantages replaced by GAE over a value model, plus a value loss.
 
 The critic's targets are lambda=1 returns (rewards-to-go), VAPO's "decoupled GAE" for the

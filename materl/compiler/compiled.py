@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -72,11 +72,13 @@ class Compiled:
     def explain(self) -> str:
         return self.plan.explain()
 
-    def run(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
+    def run(self, prompts: Sequence[Any] | None = None, *, on_episode: Callable[[Episode], None] | None = None,
+            **columns: Any) -> dict[str, float]:
         """One training step: rollout, learner, update. Blocking; inside a running event loop use
         ``await arun(...)``. Blocking calls share one background event loop, so tool servers
-        started by the first step stay up for the next ones (``close()`` stops them)."""
-        return self.call_blocking(self.arun, prompts, **columns)
+        started by the first step stay up for the next ones (``close()`` stops them).
+        ``on_episode(episode)`` is called as each episode finishes (e.g. a progress bar)."""
+        return self.call_blocking(self.arun, prompts, on_episode=on_episode, **columns)
 
     def call_blocking(self, fn, *args, **kwargs):
         import asyncio
@@ -114,25 +116,36 @@ class Compiled:
         for toolbox in self._toolboxes():
             await toolbox.start()
 
-    async def arun(self, prompts: Sequence[Any] | None = None, **columns: Any) -> dict[str, float]:
+    async def arun(self, prompts: Sequence[Any] | None = None, *,
+                   on_episode: Callable[[Episode], None] | None = None, **columns: Any) -> dict[str, float]:
         self.timings = {}
         t0 = time.perf_counter()
-        episodes = await self.rollout(prompts, **columns)
+        episodes = await self.rollout(prompts, on_episode=on_episode, **columns)
         metrics = await self.learn(episodes)
         metrics["time/step"] = time.perf_counter() - t0
+        metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/step"]
         return metrics
 
     async def rollout(self, prompts: Sequence[Any] | None = None, *, group_size: int | None = None,
-                      greedy: bool = False, **columns: Any) -> list[Episode]:
+                      greedy: bool = False, on_episode: Callable[[Episode], None] | None = None,
+                      **columns: Any) -> list[Episode]:
         """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
         await self.start_tools()
         episodes = self.make_episodes(prompts, columns, group_size or self.options.group_size)
         self.greedy = greedy
         try:
-            await rollout(self, episodes)
+            await rollout(self, episodes, on_episode=on_episode)
         finally:
             self.greedy = False
         return episodes
+
+    @property
+    def episodes_per_prompt(self) -> int:
+        """group_size for recipes that generate; 1 for offline ones (DPO pairs)."""
+        return self.options.group_size if self._generates() else 1
+
+    def _generates(self) -> bool:
+        return any(self.plan.nodes[n].op in ("generate", "generate_step", "env_rollout") for n in self.plan.episode)
 
     async def learn(self, episodes: list[Episode]) -> dict[str, float]:
         ok = [e for e in episodes if e.ok]
@@ -154,7 +167,7 @@ class Compiled:
             agent.engine.sync_weights()  # in-process: drops stale copies; SGLang: pushes the new weights
         await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
-        metrics["step"] = float(self.step_count)
+        metrics["step"] = self.step_count
         return metrics
 
     # -- pieces --
@@ -169,7 +182,7 @@ class Compiled:
         for k, v in columns.items():
             if len(v) != len(rows):
                 raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
-        has_generation = any(self.plan.nodes[n].op in ("generate", "generate_step") for n in self.plan.episode)
+        has_generation = self._generates()
         g = group_size if has_generation else 1
         episodes = []
         for p, row in enumerate(rows):
@@ -207,6 +220,10 @@ class Compiled:
             m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
         rollouts = [r for r in (self.episode_rollout(e) for e in ok) if r is not None]
         m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
+        results = [x for r in rollouts for x in r.tool_results]
+        if results:  # tool success: the fraction of tool calls that returned without an error
+            m["tool_calls"] = len(results) / len(rollouts)
+            m["tool_success"] = sum(not x.is_error for x in results) / len(results)
         for e in episodes:
             for k, v in e.timings.items():
                 m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

@@ -67,8 +67,9 @@ async def run_episode(rt, ep: Episode) -> None:
         ep.error = Failure.of(name, e)
 
 
-async def rollout(rt, episodes: list[Episode]) -> None:
-    """Run every episode; fire each group's nodes as soon as its last episode finishes."""
+async def rollout(rt, episodes: list[Episode], *, on_episode=None) -> None:
+    """Run every episode; fire each group's nodes as soon as its last episode finishes.
+    ``on_episode(ep)`` is called as each episode's own nodes finish."""
     plan = rt.plan
     groups: dict[int, list[Episode]] = {}
     for ep in episodes:
@@ -79,6 +80,8 @@ async def rollout(rt, episodes: list[Episode]) -> None:
     async def one(ep: Episode) -> None:
         async with limit:
             await run_episode(rt, ep)
+        if on_episode is not None:
+            on_episode(ep)
         remaining[ep.group] -= 1
         if remaining[ep.group] == 0 and plan.group:
             await fire_group(rt, [m for m in groups[ep.group] if m.error is None])

@@ -1,7 +1,7 @@
 """A decode KV cache that appends in place instead of re-concatenating.
 
     cache = decode_cache(lm.config, reserve=max_new_tokens)   # a DynamicCache
-    lm(..., past_key_values=cache, use_cache=True)
+    lm(..., use_cache=True, **cache_kwargs(lm, cache))   # cache= (or past_key_values= before 5.2x)
 
 HF's ``DynamicLayer.update`` does ``torch.cat([keys, new], dim=-2)``: every decode step copies the
 whole cache of every layer, so a 32-token decode copies it 32 times (141 ms of a 2.2 s SmolLM2

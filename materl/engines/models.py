@@ -17,7 +17,9 @@ conventions, which tool-call parsers expect).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -181,8 +183,9 @@ def build_smollm2(folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_dir = smollm2_gguf_dir()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    with quiet_loading():
+        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+        model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     clear_quantizer_marks(model)
     tokenizer.chat_template = chatml_tools_template(SMOLLM2_SYSTEM)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -249,11 +252,12 @@ def load_model(
     except (OSError, ValueError) as exc:
         raise ModelNotFoundError(f"model folder {str(folder)!r} has no loadable tokenizer "
                                  f"(tokenizer.json / tokenizer_config.json): {exc}") from exc
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    with quiet_loading():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        if lora is not None:
+            model = apply_lora(model, **lora_options(lora))
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if lora is not None:
-        model = apply_lora(model, **lora_options(lora))
     if head == "value":
         from materl.engines.value_head import ValueHeadModel
 
@@ -324,6 +328,37 @@ def lora_merged(model):
 # ----------------------------------------------------------------------------- backbone access
 
 
+@contextmanager
+def quiet_loading():
+    """transformers' "Loading weights" progress bar off while materl loads a model (restored
+    after), and peft's use of transformers' deprecated ``is_gradient_checkpointing`` not shown:
+    neither is something a materl user can act on."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def cache_kwargs(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """``{"cache": cache}`` for models whose forward takes ``cache`` (transformers >= 5.2x),
+    ``{"past_key_values": cache}`` for older ones, which then need no deprecation warning."""
+    return {_cache_kwarg(type(module)): cache}
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
 def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
     """The HF causal LM inside ``model`` (unwrapping a value head and a peft wrapper; peft's
     LoRA layers live inside the base model's modules, so they stay active)."""
@@ -379,7 +414,7 @@ def shared_prefix_hidden_states(
     decoder = lm.get_decoder()
     cache = DynamicCache(config=lm.config)
     prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
-                     position_ids=position_ids_from_mask(prefix_mask), past_key_values=cache, use_cache=True)
+                     position_ids=position_ids_from_mask(prefix_mask), use_cache=True, **cache_kwargs(decoder, cache))
     prompt_len_B = prefix_mask.sum(-1)[owner]
     last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
     if suffix_ids.shape[1] == 0:
@@ -387,7 +422,8 @@ def shared_prefix_hidden_states(
     cache.batch_select_indices(owner)
     steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
     suffix = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
-                     position_ids=prompt_len_B[:, None] + steps_S[None, :], past_key_values=cache, use_cache=True)
+                     position_ids=prompt_len_B[:, None] + steps_S[None, :], use_cache=True,
+                     **cache_kwargs(decoder, cache))
     return last_B_H, suffix.last_hidden_state
 
 

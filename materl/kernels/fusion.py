@@ -38,7 +38,7 @@ message) and returns a callable ``kernel(*inputs) -> {output name: tensor}``. Th
 
 Read an address with ``Pointer[Int64, MutUntrackedOrigin](unsafe_from_address=addr)`` and index
 it with ``p[unsafe_offset=i]``; ``kernels/repetition_penalty.mojo`` is a complete example (the
-seed's ``@ml.mojo_op(path="kernels/repetition_penalty.mojo")``). User kernels are built as their
+``@ml.mojo_op(path="kernels/repetition_penalty.mojo")``). User kernels are built as their
 own module; fusing them into a reward chain is not supported (a whole-batch function cannot be
 interleaved per token).
 """

@@ -1,4 +1,4 @@
-"""``@ml.mojo_op``: a user's Mojo kernel as a recipe op (seed 000 §6).
+"""``@ml.mojo_op``: a user's Mojo kernel as a recipe op.
 
     @ml.mojo_op(path="kernels/repetition_penalty.mojo")
     def repetition_penalty(completions: torch.Tensor) -> {"penalty_scores": torch.Tensor}:

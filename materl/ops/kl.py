@@ -16,8 +16,8 @@ k2        d^2 / 2                           no (low var) mse, k2
 k3        exp(-d) + d - 1, clamp 10         yes, >= 0    low_var_kl, k3
 abs       |d|                               no           abs
 k3_plus   value of k3, gradient of k2       value yes    k3+, low_var_kl+
-truncated min(d, threshold)                 no           (seed 004 ``create_truncated_kl``)
-adaptive  d where pi(token) > threshold     no           (seed 004 ``create_adaptive_kl``)
+truncated min(d, threshold)                 no           (none)
+adaptive  d where pi(token) > threshold     no           (none)
 ========  ================================  ===========  ======================================
 
 Estimators after J. Schulman, "Approximating KL divergence" (2020); TRL GRPOTrainer's per-token KL
@@ -104,8 +104,8 @@ def k3_plus(logp: Tensor, ref_logp: Tensor, *, clamp: float | None = 10.0) -> Te
 def truncated(logp: Tensor, ref_logp: Tensor, *, threshold: float = 1.0, clamp: float | None = None) -> Tensor:
     """k1 truncated from above: min(logp - ref_logp, threshold).
 
-    From seed 004 (``create_truncated_kl(threshold=1.0)``: ``(policy_lp - ref_lp).clamp(max=
-    threshold)``), meant to stop a few far-off tokens from dominating the penalty. Tokens above
+    ``(policy_lp - ref_lp).clamp(max=threshold)``, meant to stop a few far-off tokens from
+    dominating the penalty. Tokens above
     the threshold get no gradient. Biased (it under-estimates). No verl counterpart.
     """
     _check(logp, ref_logp)
@@ -122,9 +122,8 @@ def adaptive(logp: Tensor, ref_logp: Tensor, *, confidence_threshold: float = 0.
              clamp: float | None = None) -> Tensor:
     """Confidence-masked k1: (logp - ref_logp) where pi(token) > confidence_threshold, else 0.
 
-    From seed 004 (``create_adaptive_kl(confidence_threshold=0.1)``): only tokens the policy is
-    confident about are pulled toward the reference. The seed averages each sequence over the
-    confident tokens only; to reproduce that, aggregate with ``mask * confidence_mask(logp)``
+    Only tokens the policy is confident about are pulled toward the reference. To average each
+    sequence over the confident tokens only, aggregate with ``mask * confidence_mask(logp)``
     (aggregating with ``mask`` averages over all tokens, counting the others as 0). Biased.
     No verl counterpart.
     """
@@ -173,8 +172,8 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str = "k3", directi
     Gradients flow through the formula, except forward k3_plus: the value of forward k3 with the
     gradient of the surrogate -sg(r) logp, i.e. -r grad logp, whose expectation under pi is the
     gradient of KL(ref || pi). For ``adaptive`` the swap makes the mask the reference's
-    confidence. No verl counterpart. Note: seed 004 names KL(pi || ref) "forward"; materl follows
-    the usual convention (forward = KL(target || model) with ref as the target).
+    confidence. No verl counterpart. materl follows the usual convention: forward =
+    KL(target || model) with ref as the target (some code calls KL(pi || ref) "forward").
     """
     name = KL_ALIASES.get(estimator, estimator)
     fn = KL_ESTIMATORS.get(name)

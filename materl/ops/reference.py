@@ -193,7 +193,7 @@ class AdaptiveReset:
 
     ``kl`` is whatever the learner measures each step (e.g. the masked mean of the k1 or k3
     estimator); it is added as given, so negative k1 estimates lower the sum. No TRL/verl
-    counterpart; this is the materl primitives seed's ``adaptive_ref_update``.
+    counterpart.
     """
 
     uses_reference = True

@@ -64,7 +64,7 @@ async def run_env_episode(engine, tokenizer, env: Environment, prompt: Any, colu
     return dc_replace(state, done=True).to_rollout()
 
 
-# -- example environments (seed 003's vocabulary) ---------------------------------------------------
+# -- example environments ---------------------------------------------------
 
 
 class SimpleTextEnv:
@@ -106,7 +106,7 @@ class ConversationEnv:
 
 
 class ToolBudgetVerifyEnv:
-    """Self-verification with a tool budget (seed 003's SVRL): the model answers ``ANSWER: x`` or
+    """Self-verification with a tool budget (self-verification RL): the model answers ``ANSWER: x`` or
     asks ``VERIFY: <arithmetic>``; each verification costs ``cost`` from ``budget`` and is answered
     by the calculator's parser. The final answer is rewarded 1 if it equals the ``answer`` column,
     minus the verification cost spent; running out of budget ends the episode with reward 0."""

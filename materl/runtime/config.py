@@ -148,6 +148,18 @@ class LoggingSection(_Section):
     mlflow: bool = False
     samples_every: int = Field(default=0, ge=0)  # write episode samples every N steps; 0: never
 
+    @field_validator("wandb", "mlflow")
+    @classmethod
+    def _installed(cls, v: bool, info) -> bool:
+        if v:
+            from materl.runtime.logging import require_backend
+
+            try:
+                require_backend(info.field_name)
+            except ConfigError as e:
+                raise ValueError(str(e).replace(f"logging.{info.field_name}=true but ", "")) from None
+        return v
+
 
 class TrainConfig(_Section):
     """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""

@@ -32,18 +32,21 @@ def summarize(compiled, episodes) -> dict[str, float]:
         results = [x for r in rollouts for x in r.tool_results]
         out["tool_calls"] = sum(calls) / len(rollouts)
         out["tool_call_rate"] = sum(c > 0 for c in calls) / len(rollouts)
-        out["tool_success"] = (sum(not x.is_error for x in results) / len(results)) if results else 0.0
+        if results:  # undefined without tool calls (not 0: nothing failed)
+            out["tool_success"] = sum(not x.is_error for x in results) / len(results)
         out["turns"] = sum(r.num_turns for r in rollouts) / len(rollouts)
         out["completion_tokens"] = sum(len(r.completion_ids) for r in rollouts) / len(rollouts)
     return out
 
 
-def evaluate_compiled(compiled, rows: list[dict]) -> dict[str, float]:
-    """Greedy, one episode per prompt, through the compiled recipe's rollout stage."""
+def evaluate_compiled(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
+    """Greedy, one episode per prompt, through the compiled recipe's rollout stage;
+    ``on_episode(episode)`` as each finishes (a progress bar)."""
     from materl.runtime.data import split_columns
 
     prompts, columns = split_columns(rows)
-    episodes = compiled.call_blocking(compiled.rollout, prompts, group_size=1, greedy=True, **columns)
+    episodes = compiled.call_blocking(compiled.rollout, prompts, group_size=1, greedy=True, on_episode=on_episode,
+                                      **columns)
     return summarize(compiled, episodes)
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,13 +49,13 @@ class RunLogger:
         self._bar = _progress_bar(total_steps) if progress else None
         self._tb = _tensorboard_writer(self.run_dir, tensorboard)
         self._wandb = _start_wandb(self.run_dir, config, run_name) if wandb else None
-        self._mlflow = _start_mlflow(config, run_name) if mlflow else None
+        self._mlflow = _start_mlflow(self.run_dir, config, run_name) if mlflow else None
 
     # -- logging --
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | None]:
         """Append ``{"step": step, **numeric metrics}`` to metrics.jsonl and every enabled sink;
         returns the record written."""
-        record = numeric(metrics)
+        record = numeric({k: v for k, v in metrics.items() if k != "step"})
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps({"step": int(step), **record}, allow_nan=False) + "\n")
         finite = {k: v for k, v in record.items() if v is not None}
@@ -77,6 +79,30 @@ class RunLogger:
             for i, text in enumerate(episodes_text, 1):
                 f.write(f"===== step {int(step)} · episode {i} =====\n{text.rstrip()}\n\n")
         return path
+
+    @contextmanager
+    def episode_bar(self, total: int, desc: str):
+        """A second bar over the episodes of one step (or one evaluation); yields the callback
+        to call with each finished episode (a no-op without ``progress``)."""
+        if self._bar is None:
+            yield lambda episode: None
+            return
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="episode", leave=False, dynamic_ncols=True, position=1)
+        failed = 0
+
+        def tick(episode: Any) -> None:
+            nonlocal failed
+            failed += getattr(episode, "error", None) is not None
+            if failed:
+                bar.set_postfix(failed=failed, refresh=False)
+            bar.update(1)
+
+        try:
+            yield tick
+        finally:
+            bar.close()
 
     def _update_bar(self, step: int, m: Mapping[str, float]) -> None:
         bar = self._bar
@@ -160,38 +186,69 @@ def read_metrics(path: str | Path) -> dict[int, dict[str, float]]:
     return by_step
 
 
-def plot_series(by_step: Mapping[int, Mapping[str, float]]) -> list[tuple[str, list[int], list[float]]]:
-    """(key, steps, values) per subplot: reward, each reward/<component>/mean, KL, loss, and the
-    evaluation's reward/accuracy when logged."""
+# panels of plot.png: (title, keys drawn in it); "reward/*" expands to each reward term's mean
+PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("reward", ("reward", "reward/*", "eval/reward")),
+    ("loss", ("loss",)),
+    ("KL", KL_KEYS[:1]),
+    ("entropy", ("entropy",)),
+    ("tool success", ("tool_success", "eval/tool_success")),
+    ("tokens/s", ("tokens_per_s",)),
+    ("held-out accuracy", ("eval/accuracy",)),
+)
+
+
+def plot_series(by_step: Mapping[int, Mapping[str, float]]) -> list[tuple[str, list[tuple[str, list[int], list[float]]]]]:
+    """What plot.png draws: ``[(panel title, [(key, steps, values), ...]), ...]``, panels in
+    ``PANELS`` order, each with the keys that were logged (training and evaluation curves)."""
     keys = {k for rec in by_step.values() for k in rec}
-    components = sorted(k for k in keys if k.startswith("reward/") and k.endswith("/mean"))
-    kl = next((k for k in KL_KEYS if k in keys), None)
-    wanted = ["reward", *components, *([kl] if kl else []), "loss", "eval/reward", "eval/accuracy"]
-    series = []
-    for key in wanted:
-        pts = [(s, rec[key]) for s, rec in sorted(by_step.items()) if key in rec]
-        if pts:
-            series.append((key, [s for s, _ in pts], [v for _, v in pts]))
-    return series
+    terms = sorted(k for k in keys if k.startswith("reward/") and k.endswith("/mean"))
+    kl = next((k for k in KL_KEYS if k in keys), KL_KEYS[0])
+    out = []
+    for title, wanted in PANELS:
+        expanded = [k for w in wanted for k in (terms if w == "reward/*" else [kl] if w in KL_KEYS else [w])]
+        lines = []
+        for key in expanded:
+            pts = [(s, rec[key]) for s, rec in sorted(by_step.items()) if key in rec]
+            if pts:
+                lines.append((key, [s for s, _ in pts], [v for _, v in pts]))
+        if lines:
+            out.append((title, lines))
+    return out
 
 
-def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path | None:
-    """Write one subplot per series of :func:`plot_series` against step (matplotlib, Agg canvas,
-    no global backend change). Returns ``out_path``, or None with nothing to plot."""
-    series = plot_series(read_metrics(metrics_path))
-    if not series:
+def draw_metrics(by_step: Mapping[int, Mapping[str, float]]):
+    """A matplotlib Figure with one panel per :func:`plot_series` panel (Agg canvas, no global
+    backend change), or None with nothing to draw."""
+    panels = plot_series(by_step)
+    if not panels:
         return None
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(6.0, 2.2 * len(series)), layout="constrained")
+    fig = Figure(figsize=(7.0, 2.3 * len(panels)), layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(len(series), 1, sharex=True, squeeze=False)[:, 0]
-    for ax, (key, steps, values) in zip(axes, series):
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3)
-        ax.set_ylabel(key, fontsize=8)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (title, lines) in zip(axes, panels):
+        for key, steps, values in lines:
+            evaluation = key.startswith("eval/")
+            ax.plot(steps, values, label=key, linestyle="--" if evaluation else "-",
+                    marker="o" if evaluation or len(steps) < 30 else None, markersize=3)
+        ax.set_ylabel(title, fontsize=8)
         ax.grid(alpha=0.3)
+        if len(lines) > 1:
+            ax.legend(fontsize=7, loc="best")
     axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path | None:
+    """Write :func:`draw_metrics` of ``metrics_path`` to ``out_path``; None with nothing to plot."""
+    fig = draw_metrics(read_metrics(metrics_path))
+    if fig is None:
+        return None
     fig.savefig(str(out_path), dpi=100)
     return Path(out_path)
 
@@ -216,26 +273,32 @@ def _tensorboard_writer(run_dir: Path, enabled: bool | None):
 
 
 def _start_wandb(run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
-    wandb = _require("wandb")
-    run = wandb.init(project="materl", name=name, dir=str(run_dir), config=dict(config or {}))
+    """A W&B run in ``run_dir/wandb`` (project ``materl``; ``WANDB_MODE=offline`` and the other
+    WANDB_* variables apply)."""
+    wandb = require_backend("wandb")
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "materl"), name=name, dir=str(run_dir),
+                     config=dict(config or {}))
     return run if run is not None else wandb
 
 
-def _start_mlflow(config: Mapping[str, Any] | None, name: str | None):
-    mlflow = _require("mlflow")
+def _start_mlflow(run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
+    """An MLflow run at ``MLFLOW_TRACKING_URI``, else in ``run_dir/mlflow.db`` (sqlite)."""
+    mlflow = require_backend("mlflow")
+    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
     mlflow.start_run(run_name=name)
     if config:
         mlflow.log_params(_flatten(config))
     return mlflow
 
 
-def _require(package: str):
+def require_backend(package: str):
+    """Import a logging backend, or ConfigError naming the extra that installs it."""
     import importlib
 
     try:
         return importlib.import_module(package)
     except ImportError:
-        raise ConfigError(f"logging.{package}=true but {package} is not installed; pip install {package} "
+        raise ConfigError(f"logging.{package}=true but {package} is not installed; pip install 'materl[{package}]' "
                           f"(or set logging.{package}: false)") from None
 
 

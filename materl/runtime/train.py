@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from materl.errors import ConfigError
@@ -35,21 +36,29 @@ def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
     return factor
 
 
-def run_step(compiled, rows: list[dict]) -> dict[str, float]:
+def run_step(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
     inputs = [n.name for n in compiled.recipe.nodes if n.op == "input"]
     if inputs == ["prompts"]:
         prompts, columns = split_columns(rows)
-        return compiled.run(prompts, **columns)
-    return compiled.run(**{inputs[0]: rows})
+        return compiled.run(prompts, on_episode=on_episode, **columns)
+    return compiled.run(on_episode=on_episode, **{inputs[0]: rows})
 
 
 def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_dataset: Any = None,
           eval_every: int = 0, save_every: int = 0, keep_last: int = 3, run_dir: str | Path = "runs/materl",
           resume: str | Path | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
-          tensorboard: bool | None = None, config: dict | None = None, on_step=None) -> dict[str, Any]:
+          tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
+          on_step=None) -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
-    history, evaluations and the last checkpoint path."""
+    history, evaluations and the last checkpoint path.
+
+    Seeds torch, Python's ``random`` and numpy's global RNG with ``seed`` (reward code that uses
+    any of them reproduces). A step whose episodes fail too often raises ``StepFailedError``
+    (compile option ``max_failed_fraction``): nothing is saved for it, so the last checkpoint
+    stays the last good one. ``progress``: a bar over steps, and one over each step's episodes
+    and each evaluation's. ``wandb``/``mlflow``: also send every metric there (ConfigError if
+    the package is not installed)."""
     from materl.runtime.checkpoint import load_checkpoint, restore, save_checkpoint
     from materl.runtime.evaluate import evaluate_compiled
     from materl.runtime.logging import RunLogger, format_episode
@@ -59,6 +68,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     run_dir = Path(run_dir)
     torch.manual_seed(seed)
     random.seed(seed)
+    np.random.seed(seed)
     sampler = Sampler(load_rows(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle)
     eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
     schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
@@ -70,12 +80,14 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=schedulers)
         sampler.load_state_dict(ckpt.data_state["sampler"])
         compiled.step_count = start = int(ckpt.step)
-    logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard)
+    logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
+                       mlflow=mlflow, config=config)
     history, evals, last_ckpt = [], [], None
 
     def evaluate(step: int) -> None:
         if eval_rows is not None:
-            result = evaluate_compiled(compiled, eval_rows)
+            with logger.episode_bar(len(eval_rows), f"eval @ step {step}") as tick:
+                result = evaluate_compiled(compiled, eval_rows, on_episode=tick)
             evals.append({"step": step, **result})
             logger.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
 
@@ -84,16 +96,20 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
             evaluate(0)
         for step in range(start + 1, steps + 1):
             t0 = time.perf_counter()
-            metrics = run_step(compiled, sampler.next_batch())
+            batch = sampler.next_batch()
+            lr = next(iter(schedulers.values())).get_last_lr()[0] if schedulers else 0.0  # what this step uses
+            with logger.episode_bar(len(batch) * compiled.episodes_per_prompt, f"step {step}") as tick:
+                metrics = run_step(compiled, batch, on_episode=tick)
             for s in schedulers.values():
                 s.step()
-            metrics["lr"] = next(iter(schedulers.values())).get_last_lr()[0] if schedulers else 0.0
+            metrics["lr"] = lr
             metrics["time/wall"] = time.perf_counter() - t0
             history.append({"step": step, **metrics})
             logger.log(step, metrics)
             if samples_every and step % samples_every == 0:
                 tok = next(iter(compiled.agents.values())).tokenizer
-                logger.log_samples(step, [format_episode(compiled.episode_rollout(e), tok) for e in compiled.last_episodes[:4]])
+                logger.log_samples(step, [format_episode(compiled.episode_rollout(e), tok, metrics=_reward_terms(e))
+                                          for e in compiled.last_episodes[:4]])
             if on_step is not None:
                 on_step(step, metrics)
             if eval_every and step % eval_every == 0:
@@ -108,6 +124,11 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         logger.close()
     return {"history": history, "evals": evals, "checkpoint": str(last_ckpt) if last_ckpt else None,
             "run_dir": str(run_dir)}
+
+
+def _reward_terms(episode) -> dict[str, float]:
+    """An episode's reward terms (``reward/<term>``) and the total it was trained on."""
+    return {k: v for k, v in episode.metrics.items() if k.startswith("reward/")}
 
 
 def build_from_config(cfg, *, load_data: bool = True):
@@ -177,7 +198,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        eval_every=t.eval_every, save_every=t.save_every, keep_last=t.keep_last, run_dir=t.run_dir,
                        resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
-                       tensorboard=cfg.logging.tensorboard, config=config_to_dict(cfg))
+                       tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
+                       config=config_to_dict(cfg))
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}
@@ -189,7 +211,7 @@ def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "g
                reward_functions: Any = (), tools: Any = (), steps: int = 100, batch_size: int = 8,
                lora: dict | None = None, use_mojo: bool = True, test_size: int = 32, eval_every: int = 0,
                run_dir: str = "runs/materl", seed: int = 0, **compile_options: Any) -> dict[str, Any]:
-    """Train in one call (seed 001's high-level API); the same validated path as ``materl train``.
+    """Train in one call (TRL-style high-level API); the same validated path as ``materl train``.
 
         result = ml.train_rlhf("smollm2-135m-instruct", algorithm="grpo_tools", dataset="arithmetic",
                                tools=["python -m materl.tools.calculator"], steps=20, lr=3e-5)

@@ -1,5 +1,5 @@
 """KL estimators: hand values, equality with verl kl_penalty in value and gradient, exact
-expectations over a small categorical, forward direction, the seed-004 variants, error paths."""
+expectations over a small categorical, forward direction, the truncated and adaptive variants, error paths."""
 
 import math
 
@@ -134,7 +134,7 @@ def test_forward_hand_values():
 
 
 def test_truncated_matches_seed_and_stops_gradient_above_threshold():
-    # seed 004: (policy_lp - ref_lp).clamp(max=threshold), averaged per sequence over the mask
+    # (policy_lp - ref_lp).clamp(max=threshold), averaged per sequence over the mask
     logp = t([-0.1, -2.0, -1.0], [-0.5, -0.5, -3.0]).requires_grad_(True)
     ref = t([-2.0, -1.0, -1.5], [-0.4, -2.0, -3.0])
     mask = t([1, 1, 1], [1, 1, 0])
@@ -147,7 +147,7 @@ def test_truncated_matches_seed_and_stops_gradient_above_threshold():
 
 
 def test_adaptive_matches_seed_with_confidence_mask():
-    # seed 004: confident = exp(policy_lp) > 0.1; per-sequence mean over mask * confident
+    # confident = exp(policy_lp) > 0.1; per-sequence mean over mask * confident
     g = torch.Generator().manual_seed(7)
     logp = -torch.rand(3, 5, generator=g, dtype=F64) * 4
     ref = logp + torch.randn(3, 5, generator=g, dtype=F64)

@@ -2,6 +2,7 @@
 format_episode."""
 
 import json
+import struct
 import sys
 import types
 
@@ -10,8 +11,9 @@ import torch
 
 from materl.errors import ConfigError
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
+from materl.runtime.config import validate_config
 from materl.runtime.logging import (
-    RunLogger, format_episode, numeric, plot_series, progress_fields, read_metrics,
+    RunLogger, draw_metrics, format_episode, numeric, plot_series, progress_fields, read_metrics,
 )
 
 
@@ -61,14 +63,25 @@ def test_samples_are_appended_per_step(tmp_path):
 def test_plot_series_and_png(tmp_path):
     with RunLogger(tmp_path, progress=False, tensorboard=False) as log:
         for s in (1, 2, 3):
-            log.log(s, {"reward": s / 10, "reward/answer/mean": s / 5, "reward/answer/std": 0.0, "kl": 0.1 * s,
-                        "loss": 1.0 / s, "tokens": 5})
+            log.log(s, {"step": float(s), "reward": s / 10, "reward/answer/mean": s / 5, "reward/answer/std": 0.0,
+                        "kl": 0.1 * s, "loss": 1.0 / s, "tokens": 5, "tool_success": 0.5})
         log.log(2, {"reward": 0.9})  # a repeated step (resume): the last value wins
-    series = {k: (steps, vals) for k, steps, vals in plot_series(read_metrics(tmp_path / "metrics.jsonl"))}
-    assert list(series) == ["reward", "reward/answer/mean", "kl", "loss"]  # std and tokens are not plotted
-    assert series["reward"] == ([1, 2, 3], [0.1, 0.9, 0.3])
+        log.log(3, {"eval/reward": 0.7, "eval/tool_success": 1.0})
+    panels = {title: {k: (steps, vals) for k, steps, vals in lines}
+              for title, lines in plot_series(read_metrics(tmp_path / "metrics.jsonl"))}
+    assert list(panels) == ["reward", "loss", "KL", "tool success"]  # std and tokens are not plotted
+    assert list(panels["reward"]) == ["reward", "reward/answer/mean", "eval/reward"]
+    assert panels["reward"]["reward"] == ([1, 2, 3], [0.1, 0.9, 0.3])
+    assert panels["tool success"] == {"tool_success": ([1, 2, 3], [0.5] * 3), "eval/tool_success": ([3], [1.0])}
     png = (tmp_path / "plot.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_step_is_written_as_an_integer(tmp_path):
+    with RunLogger(tmp_path, progress=False, tensorboard=False) as log:
+        log.log(2, {"step": 2.0, "reward": 1.0})  # a step's metrics carry their own step
+    assert lines(tmp_path / "metrics.jsonl") == [{"step": 2, "reward": 1.0}]
+    assert read_metrics(tmp_path / "metrics.jsonl") == {2: {"reward": 1.0}}
 
 
 def test_nothing_to_plot(tmp_path):
@@ -97,32 +110,125 @@ def test_tensorboard_scalars(tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["wandb", "mlflow"])
-def test_missing_backend_is_a_config_error(tmp_path, monkeypatch, backend):
+def test_missing_backend_is_a_config_error_naming_the_extra(tmp_path, monkeypatch, backend):
     monkeypatch.setitem(sys.modules, backend, None)  # import fails as if not installed
-    with pytest.raises(ConfigError, match=f"logging.{backend}=true but {backend} is not installed"):
+    with pytest.raises(ConfigError, match=rf"logging.{backend}=true but {backend} is not installed; "
+                                          rf"pip install 'materl\[{backend}\]'"):
         RunLogger(tmp_path, progress=False, tensorboard=False, **{backend: True})
+    with pytest.raises(ConfigError, match=rf"logging.{backend}: {backend} is not installed"):
+        validate_config({"logging": {backend: True}})  # refused with the config, before anything loads
 
 
-def test_wandb_and_mlflow_receive_metrics(tmp_path, monkeypatch):
-    calls = []
-    run = types.SimpleNamespace(log=lambda m, step: calls.append(("wandb.log", step, m)),
-                                finish=lambda: calls.append(("wandb.finish",)))
-    wandb = types.SimpleNamespace(init=lambda **kw: calls.append(("wandb.init", kw["config"])) or run)
-    mlflow = types.SimpleNamespace(
-        start_run=lambda run_name=None: calls.append(("mlflow.start",)),
-        log_params=lambda p: calls.append(("mlflow.params", p)),
-        log_metrics=lambda m, step: calls.append(("mlflow.log", step, m)),
-        end_run=lambda: calls.append(("mlflow.end",)))
-    monkeypatch.setitem(sys.modules, "wandb", wandb)
-    monkeypatch.setitem(sys.modules, "mlflow", mlflow)
-    with RunLogger(tmp_path, progress=False, tensorboard=False, wandb=True, mlflow=True,
-                   config={"train": {"steps": 2}}) as log:
-        log.log(1, {"reward": 0.5, "bad": float("inf"), "s": "x"})
-    assert calls == [
-        ("wandb.init", {"train": {"steps": 2}}), ("mlflow.start",), ("mlflow.params", {"train.steps": "2"}),
-        ("wandb.log", 1, {"reward": 0.5}), ("mlflow.log", 1, {"reward": 0.5}),
-        ("wandb.finish",), ("mlflow.end",),
-    ]
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows W&B wrote to an offline run's .wandb file (a LevelDB-style log of
+    protobuf ``Record``s: 32 KiB blocks, 7-byte chunk headers crc/length/type)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    data, pos, records, pending = path.read_bytes(), 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (length == 0 and kind == 0):
+            pos += left
+            continue
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            records.append(pending + chunk)
+            pending = b""
+        else:
+            pending += chunk
+    rows = []
+    for raw in records:
+        rec = pb.Record()
+        rec.ParseFromString(raw)
+        if rec.WhichOneof("record_type") == "history":
+            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                         for item in rec.history.item})
+    return rows
+
+
+def tiny_run(tmp_path, **logging_kw):
+    import materl as ml
+    from materl.recipes import grpo
+    from materl.runtime.tasks import arithmetic_rows
+    from materl.runtime.train import train
+
+    step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                      group_size=2, max_new_tokens=4, lr=1e-3)
+    try:
+        return train(step, arithmetic_rows(6, seed=0), steps=2, batch_size=2, run_dir=tmp_path, progress=False,
+                     tensorboard=False, eval_dataset=arithmetic_rows(2, seed=9), eval_every=1,
+                     config={"train": {"steps": 2}}, **logging_kw)
+    finally:
+        step.close()
+
+
+def test_wandb_offline_run_receives_every_metric(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = tiny_run(tmp_path, wandb=True)
+    rows = [r for r in wandb_history(tmp_path) if "loss" in r]
+    assert [r["_step"] for r in rows] == [1, 2]
+    for row, logged in zip(rows, result["history"]):
+        assert row["reward"] == pytest.approx(logged["reward"]) and row["loss"] == pytest.approx(logged["loss"])
+    assert [r["_step"] for r in wandb_history(tmp_path) if "eval/reward" in r] == [0, 1, 2]
+
+
+def test_mlflow_store_receives_every_metric(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    result = tiny_run(tmp_path, mlflow=True)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")  # the run dir's store
+    (run,) = client.search_runs(experiment_ids=["0"])
+    history = client.get_metric_history(run.info.run_id, "reward")
+    assert [(m.step, m.value) for m in history] == [(h["step"], pytest.approx(h["reward"])) for h in result["history"]]
+    assert run.data.params["train.steps"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/reward")] == [0, 1, 2]
+
+
+def test_a_real_run_plots_training_and_evaluation_curves(tmp_path):
+    tiny_run(tmp_path)
+    fig = draw_metrics(read_metrics(tmp_path / "metrics.jsonl"))
+    drawn = {ax.get_ylabel(): {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+             for ax in fig.axes}
+    assert set(drawn["reward"]) == {"reward", "reward/length/mean", "reward/diversity/mean", "eval/reward"}
+    assert [x for x, _ in drawn["reward"]["reward"]] == [1, 2] and [x for x, _ in drawn["reward"]["eval/reward"]] == [0, 1, 2]
+    for panel, key in (("loss", "loss"), ("KL", "policy_loss/kl"), ("entropy", "entropy"), ("tokens/s", "tokens_per_s")):
+        assert [x for x, _ in drawn[panel][key]] == [1, 2], panel
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_is_written_without_evaluation(tmp_path):
+    import materl as ml
+    from materl.recipes import grpo
+    from materl.runtime.tasks import arithmetic_rows
+    from materl.runtime.train import train
+
+    step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                      group_size=2, max_new_tokens=4)
+    train(step, arithmetic_rows(4, seed=0), steps=2, batch_size=2, run_dir=tmp_path, progress=False,
+          tensorboard=False, samples_every=1)
+    step.close()
+    assert [t for t, _ in plot_series(read_metrics(tmp_path / "metrics.jsonl"))][:2] == ["reward", "loss"]
+    assert (tmp_path / "plot.png").exists()
+    sample = (tmp_path / "samples" / "step-000002.txt").read_text()
+    assert "REWARDS: reward/diversity=" in sample and "reward/length=" in sample  # each episode's reward terms
+
+
+def test_episode_bar_counts_episodes_and_failures(tmp_path):
+    log = RunLogger(tmp_path, progress=True, total_steps=1, tensorboard=False)
+    with log.episode_bar(3, "step 1") as tick:
+        for error in (None, "boom", None):
+            tick(types.SimpleNamespace(error=error))
+    log.close()
+    quiet = RunLogger(tmp_path / "q", progress=False, tensorboard=False)
+    with quiet.episode_bar(3, "step 1") as tick:
+        tick(types.SimpleNamespace(error=None))  # a no-op without progress
+    quiet.close()
 
 
 def test_numeric_handles_numpy():

@@ -76,3 +76,25 @@ def test_train_rlhf_rejects_bad_values_by_field_before_loading():
         ml.train_rlhf("tiny-random", group_size=0)
     with pytest.raises(ConfigError, match="reward_functions entry"):
         ml.train_rlhf("tiny-random", reward_functions=[3.5])
+
+
+def test_a_plain_run_prints_no_warnings_or_loading_bars(tmp_path):
+    """FutureWarnings (transformers' renamed cache keyword) and "Loading weights" bars are
+    noise a user cannot act on; a plain run, with every warning shown, prints neither."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONWARNINGS": "default"}
+    out = subprocess.run([sys.executable, "-m", "materl.cli", "train", "examples/configs/tiny_grpo.yaml",
+                          "--set", f"train.run_dir={tmp_path}", "--set", "model.lora={r: 4}"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Warning" not in out.stderr and "Loading weights" not in out.stderr, out.stderr[-2000:]
+
+
+def test_logged_lr_is_the_one_each_step_trained_with(tmp_path):
+    """linear decay over 3 steps with 1 warmup step: factors 1/1, then 1 - 1/2, then 1 - 2/2."""
+    result = train(make_step(), arithmetic_rows(6, seed=0), steps=3, batch_size=2, lr_schedule="linear",
+                   warmup_steps=1, run_dir=tmp_path, progress=False, tensorboard=False)
+    assert [h["lr"] for h in result["history"]] == pytest.approx([1e-3, 1e-3, 5e-4])
