@@ -113,6 +113,18 @@ def test_compile_options_table_matches_the_code():
         assert table[name] == repr(getattr(defaults, name)), f"compile option {name}: docs say {table[name]}"
 
 
+def test_config_reference_lists_every_key_with_its_default():
+    """configs-and-cli.md's "Every key and its default" block is TrainConfig's defaults (the
+    compile section is documented by the compile options table)."""
+    from materl.runtime.config import TrainConfig
+
+    text = (DOCS / "configs-and-cli.md").read_text().split("### Every key and its default", 1)[1]
+    documented = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    defaults = TrainConfig().model_dump(mode="json")
+    documented.pop("compile"), defaults.pop("compile")
+    assert documented == defaults
+
+
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
