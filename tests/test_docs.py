@@ -12,6 +12,8 @@ into it) and a fresh namespace:
 
 ``<!-- docs-test: skip (reason) -->`` right before a block leaves it out; the reason is
 required, and shown in the page itself, so a skipped block is visible to every reader.
+``<!-- docs-test: needs mojo -->`` runs a block only where the ``mojo`` package is installed
+(and ``MATERL_DISABLE_MOJO`` unset), as ``@pytest.mark.mojo`` tests do.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+import importlib.util
 
 import pytest
 import yaml
@@ -54,11 +58,19 @@ class Block:
     def skip_reason(self) -> str | None:
         if self.directive is None or self.directive == "output":
             return None
+        if self.directive == "needs mojo":
+            return None if has_mojo() else "the mojo package is not installed"
         m = re.fullmatch(r"skip \((.+)\)", self.directive)
         if not m:
             raise AssertionError(f"{self.where}: unknown docs-test directive {self.directive!r}; "
-                                 f"accepted: 'skip (reason)', 'output'")
+                                 f"accepted: 'skip (reason)', 'needs mojo', 'output'")
         return m.group(1)
+
+
+def has_mojo() -> bool:
+    from materl.kernels import loader
+
+    return importlib.util.find_spec("mojo") is not None and not loader.disabled()
 
 
 def blocks(page: Path) -> list[Block]:
@@ -136,16 +148,18 @@ def workdir(tmp_path, monkeypatch):
 def test_page_code_runs(page, workdir):
     namespace: dict = {"__name__": f"docs_{page.stem.replace('-', '_')}"}
     previous_output: str | None = None
+    previous_skipped = False
     try:
         for b in blocks(page):
             if b.skip_reason is not None:
-                previous_output = None
+                previous_output, previous_skipped = None, True
                 continue
             if b.lang == "text":
-                if b.directive == "output":
+                if b.directive == "output" and not previous_skipped:
                     assert previous_output is not None, f"{b.where}: 'output' block follows no executed block"
                     assert_output(b, previous_output)
                 continue
+            previous_skipped = False
             if b.lang == "python":
                 previous_output = run_python(b, namespace)
             elif b.lang == "bash":
