@@ -19,6 +19,7 @@ required, and shown in the page itself, so a skipped block is visible to every r
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import os
 import re
@@ -28,8 +29,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import importlib.util
-
 import pytest
 import yaml
 
@@ -38,8 +37,8 @@ DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 BLOCK = re.compile(r"(?:<!--\s*docs-test:\s*(?P<directive>.*?)\s*-->[ \t]*\n)?^```(?P<lang>[\w-]*)[ \t]*\n"
                    r"(?P<body>.*?)^```[ \t]*$", re.S | re.M)
-RUN_LANGS = ("python", "bash")
 SHELL_TIMEOUT_S = 300
+LANGS = ("python", "bash", "yaml", "text")
 
 
 @dataclass
@@ -90,8 +89,8 @@ def test_every_page_has_blocks_and_every_block_a_language():
         assert found, f"docs/{page.name} has no code blocks"
         assert text_fences(page) == len(found), f"docs/{page.name}: a fence did not parse as a block"
         for b in found:
-            assert b.lang, f"{b.where}: a code block needs a language (python, bash, yaml, text)"
-            b.skip_reason  # unknown directives fail here
+            assert b.lang in LANGS, f"{b.where}: a code block's language must be one of {LANGS}, got {b.lang!r}"
+            _ = b.skip_reason  # an unknown directive fails here
             if b.directive == "output":
                 assert b.lang == "text", f"{b.where}: 'output' marks a text block"
 
@@ -241,6 +240,26 @@ def assert_output(b: Block, output: str) -> None:
         else:
             raise AssertionError(f"{b.where}: expected output not found:\n" + "\n".join(chunk) +
                                  "\n--- actual output ---\n" + output)
+
+
+def test_the_checks_themselves_fail_on_a_mismatch():
+    """The harness is only as good as its checks: a wrong expected output, an unknown directive,
+    an unmarked non-materl command and an unknown config key are all refused."""
+    out = "a\nb\nc\nd\n"
+    assert_output(Block("x.md", 1, "text", "a\n...\nc\n", "output"), out)
+    for wrong in ("b\na\n", "a\nc\n", "e\n", "c\n...\na\n"):
+        with pytest.raises(AssertionError, match="expected output not found"):
+            assert_output(Block("x.md", 1, "text", wrong, "output"), out)
+    with pytest.raises(AssertionError, match="unknown docs-test directive"):
+        _ = Block("x.md", 1, "bash", "ls\n", "skip because").skip_reason
+    with pytest.raises(AssertionError, match="runs only `materl` and `python`"):
+        run_shell(Block("x.md", 1, "bash", "pip install nothing\n", None), ROOT)
+    from materl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key 'stepz'"):
+        check_yaml(Block("x.md", 1, "yaml", "train: {stepz: 3}\n", None))
+    commands = shell_commands("# a comment\nmaterl train a.yaml \\\n  --set x=1  # why\nmaterl recipes\n")
+    assert [shlex.split(c) for c in commands] == [["materl", "train", "a.yaml", "--set", "x=1"], ["materl", "recipes"]]
 
 
 def close_compiled(namespace: dict) -> None:
