@@ -23,9 +23,9 @@ _EXPORTS = {
     "materl.graph.node": ["Node", "Recipe"],
     "materl.graph.trace": ["Value"],
     "materl.graph.recipe": ["algorithm", "recipe", "replace", "transform", "with_kl"],
-    "materl.graph.custom": ["op"],
+    "materl.graph.custom": ["mojo_op", "op"],
     "materl.graph.constructors": [
-        "add_loss", "advantages", "call_tools", "cispo_loss", "clip_cov_loss", "dpo_loss", "filter_groups",
+        "add_loss", "advantages", "call_tools", "cispo_loss", "clip_cov_loss", "dpo_loss", "env_rollout", "filter_groups",
         "gae_advantages", "generate", "generate_step", "gpg_loss", "grpo_loss", "gspo_loss", "kl_cov_loss",
         "logprobs", "policy_loss", "ppo_loss", "reinforce_loss", "reward", "sapo_loss", "set_loss",
         "structure_rollout", "value_loss", "values",
@@ -33,11 +33,10 @@ _EXPORTS = {
     "materl.compiler.compiled": ["Compiled", "compile"],
     "materl.agent": ["Agent"],
     "materl.rollout.mcp": ["MCPServer", "Toolbox", "mcp_tools"],
-    "materl.rollout.env": ["Environment", "env_rollout"],
+    "materl.rollout.env": ["Environment"],
     "materl.runtime.train": ["train", "train_rlhf"],
     "materl.runtime.evaluate": ["evaluate"],
     "materl.runtime.export": ["export"],
-    "materl.kernels.user_ops": ["mojo_op"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 _SUBMODULES = {"kernels", "ops", "recipes", "benchmark", "tools"}

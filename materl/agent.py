@@ -32,7 +32,7 @@ import materl.engines.sglang_engine  # noqa: F401  (registers "sglang")
 import materl.engines.transformers_engine  # noqa: F401  (registers "transformers")
 from materl import compute
 from materl.engines import models as _models
-from materl.engines.base import ENGINES
+from materl.engines.base import ENGINES, engine_sleep
 from materl.errors import ConfigError
 
 
@@ -52,11 +52,10 @@ class Agent:
         tokenizer=None,
         name: str | None = None,
         cache_dir: str | os.PathLike | None = None,
-        **options: Any,
     ):
         """``model``: a named model (``materl.engines.models.NAMED_MODELS``), an HF-format folder,
-        or an already-built ``nn.Module`` (then pass ``tokenizer=``). Other keywords (e.g.
-        ``lr=1e-6``) are kept in ``agent.options`` for the learner."""
+        or an already-built ``nn.Module`` (then pass ``tokenizer=``). Learning rates and other
+        learner settings are compile options (``ml.compile(..., lr=, value_lr=)``)."""
         ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
         if head is not None and head not in _models.HEADS:
             raise ConfigError(f"unknown head {head!r}; valid: {', '.join(_models.HEADS)} or None")
@@ -67,7 +66,6 @@ class Agent:
         self.dtype = dtype
         self.engine_options = dict(engine_options or {})
         self.cache_dir = cache_dir
-        self.options = options
         self._model: nn.Module | None = None
         self._tokenizer = tokenizer
         self._engine = None
@@ -117,6 +115,18 @@ class Agent:
     @property
     def loaded(self) -> bool:
         return self._model is not None
+
+    def sleep_engine(self) -> None:
+        """The rollout stage is over: let a started engine free decode-only memory (a no-op if
+        the engine never started)."""
+        if self._engine is not None:
+            engine_sleep(self._engine)
+
+    def sync_engine(self) -> None:
+        """The weights changed: make a started engine sample from them (in-process: drop stale
+        packed copies; SGLang: push them). A no-op if the engine never started."""
+        if self._engine is not None:
+            self._engine.sync_weights()
 
     def _adopt(self, model: nn.Module) -> None:
         """Freeze a reference model, or make a trainable one train (LoRA: adapters only)."""
@@ -184,7 +194,6 @@ class Agent:
         only the tokenizer, which is never mutated, is shared."""
         clone = _copy.copy(self)
         clone.trainable = bool(trainable)
-        clone.options = dict(self.options)
         clone.engine_options = dict(self.engine_options)
         clone._engine = None
         clone._model = None

@@ -20,4 +20,4 @@ def ppo(policy, ref_policy, value_model, prompts):
     rewards = ml.reward("length", weight=0.1) + ml.reward("diversity", weight=0.9)
     advantages = ml.gae_advantages(rewards, values, gamma=1.0, lam=0.95, name="advantages")
     ml.set_loss(ml.ppo_loss(advantages, logprobs, ref_logprobs, agg="token_mean", kl="k1", kl_coef=0.01))
-    ml.add_loss(ml.value_loss(values, advantages, clip_range=0.2), weight=0.5)
+    ml.add_loss(ml.value_loss(values, advantages.returns, clip_range=0.2), weight=0.5)

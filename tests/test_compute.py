@@ -92,7 +92,7 @@ def test_compiled_run_decodes_and_learns_in_the_calling_thread(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(TransformersEngine, "_decode_batch", spy("decode", TransformersEngine._decode_batch))
-    monkeypatch.setattr(Learner, "run", spy("learn", Learner.run))
+    monkeypatch.setattr(Learner, "run_updates", spy("learn", Learner.run_updates))
     from materl.recipes import grpo
 
     step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),

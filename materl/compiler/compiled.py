@@ -3,31 +3,36 @@
     step = ml.compile(grpo, policy=policy, ref_policy=ref, group_size=4, lr=1e-5)
     print(step.explain())
     metrics = step.run(prompts=["..."], answer=["..."])    # or: await step.arun(...)
+
+``Compiled`` orchestrates: it plans once, and per step builds a frozen ``StepContext``, runs the
+rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``), the
+optimizer, the reference policy and the engines' weight sync. The stages themselves see only a
+``Run`` (the context and this process's agents), never this object.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-import materl.compiler.score_ops  # noqa: F401  (registers scoring implementations)
 from materl import compute
-from materl.compiler.impls import choose
+from materl.compiler.context import AgentSpec, Mode, Run, StepContext
+from materl.compiler.episode import Episode
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
-from materl.compiler.scheduler import rollout
-from materl.compiler.values import Episode
-from materl.engines.base import engine_sleep
-from materl.errors import CompileError, EpisodeError
+from materl.compiler.scheduler import rollout_stage
+from materl.compiler.spec import Kind, Role, output_of
+from materl.errors import CompileError
 from materl.graph.node import Recipe
 
-ROLLOUT_OPS = ("structure_rollout", "env_rollout", "generate", "generate_step")
+_ROLLOUTS = itertools.count()  # rollout calls in this process: part of every episode's uid
 
 
 def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the public name is ml.compile
@@ -56,14 +61,14 @@ class Compiled:
         self.recipe = recipe
         self.agents = agents
         self.options = options
-        self.plan = make_plan(recipe, agents, options, choose, rollout_only=rollout_only)
+        self.plan = make_plan(recipe, agents, options, rollout_only=rollout_only)
         self.step_count = 0
-        self.greedy = False
         self.timings: dict[str, float] = {}
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
         self.failures = FailurePolicy(options.max_failed_fraction)
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
+        self._started_tools: list = []  # toolboxes this step started (and stops on close)
         self.optimizers = {name: self._optimizer(a) for name, a in agents.items() if a.trainable}
         self.references = self._reference_pairs()
         torch.manual_seed(options.seed)
@@ -71,6 +76,11 @@ class Compiled:
     # -- public --
     def explain(self) -> str:
         return self.plan.explain()
+
+    def context(self, mode: Mode = "train") -> StepContext:
+        """The frozen, picklable context of the next rollout: plan, options, agent specs, step."""
+        return StepContext(self.plan, self.options, {n: AgentSpec.of(a) for n, a in self.agents.items()},
+                           step=self.step_count, mode=mode, rollout_id=f"{mode}{next(_ROLLOUTS)}")
 
     def run(self, prompts: Sequence[Any] | None = None, *, on_episode: Callable[[Episode], None] | None = None,
             **columns: Any) -> dict[str, float]:
@@ -95,16 +105,20 @@ class Compiled:
             return here.until(self._loop.submit(fn, *args, **kwargs))
 
     def close(self) -> None:
-        """Stop the tool servers this step started and the background event loop."""
+        """Stop the tool servers this step started and the background event loop. The recipe's
+        toolboxes stay usable: another compiled step (or this one, on its next run) starts them
+        again."""
         if self._loop.running:
             self._loop.call(self.aclose)
         self._loop.close()
 
     async def aclose(self) -> None:
-        for toolbox in self._toolboxes():
+        started, self._started_tools = self._started_tools, []
+        for toolbox in started:
             await toolbox.aclose()
 
-    def _toolboxes(self) -> list:
+    def toolboxes(self) -> list:
+        """The Toolboxes the plan's nodes hold (``tools=`` of generate_step and call_tools)."""
         found = []
         for node in self.plan.nodes.values():
             tb = node.params.get("tools")
@@ -112,9 +126,14 @@ class Compiled:
                 found.append(tb)
         return found
 
-    async def start_tools(self) -> None:
-        for toolbox in self._toolboxes():
-            await toolbox.start()
+    async def start_tools(self) -> list:
+        """Start the plan's toolboxes that are not running; returns all of them."""
+        boxes = self.toolboxes()
+        for toolbox in boxes:
+            if not toolbox.started:
+                await toolbox.start()
+                self._started_tools.append(toolbox)
+        return boxes
 
     async def arun(self, prompts: Sequence[Any] | None = None, *,
                    on_episode: Callable[[Episode], None] | None = None, **columns: Any) -> dict[str, float]:
@@ -130,22 +149,12 @@ class Compiled:
                       greedy: bool = False, on_episode: Callable[[Episode], None] | None = None,
                       **columns: Any) -> list[Episode]:
         """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
-        await self.start_tools()
-        episodes = self.make_episodes(prompts, columns, group_size or self.options.group_size)
-        self.greedy = greedy
-        try:
-            await rollout(self, episodes, on_episode=on_episode)
-        finally:
-            self.greedy = False
+        toolboxes = await self.start_tools()
+        ctx = self.context("eval" if greedy else "train")
+        episodes = self.make_episodes(ctx, prompts, columns, group_size or self.options.group_size)
+        self.timings["stage/rollout"] = await rollout_stage(Run(ctx, self.agents, tuple(toolboxes)), episodes,
+                                                            on_episode=on_episode)
         return episodes
-
-    @property
-    def episodes_per_prompt(self) -> int:
-        """group_size for recipes that generate; 1 for offline ones (DPO pairs)."""
-        return self.options.group_size if self._generates() else 1
-
-    def _generates(self) -> bool:
-        return any(self.plan.nodes[n].op in ("generate", "generate_step", "env_rollout") for n in self.plan.episode)
 
     async def learn(self, episodes: list[Episode]) -> dict[str, float]:
         ok = [e for e in episodes if e.ok]
@@ -154,25 +163,32 @@ class Compiled:
         self.failures.check(episodes, step=self.step_count + 1)
         self.failures.check_update(episodes, step=self.step_count + 1)
         self.last_episodes = ok
-        started = [a for a in self.agents.values() if getattr(a, "_engine", None) is not None]
-        for engine in {id(a._engine): a._engine for a in started}.values():
-            engine_sleep(engine)  # the rollout stage is over: free decode-only memory
-        learner = Learner(self)
+        agents = {id(a): a for a in self.agents.values()}.values()
+        for agent in agents:
+            agent.sleep_engine()  # the rollout stage is over: free decode-only memory
+        learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_step)
         t0 = time.perf_counter()
-        await learner.prepare(ok)
+        await learner.prepare()
         self.timings["stage/prepare"] = time.perf_counter() - t0
-        metrics.update(await compute.acall(learner.run, ok))
+        metrics.update(await compute.acall(learner.run_updates))
+        self.timings.update(learner.timings)
         self.step_count += 1
-        for agent in {id(a): a for a in started if a.trainable}.values():
-            agent.engine.sync_weights()  # in-process: drops stale copies; SGLang: pushes the new weights
+        for agent in agents:
+            if agent.trainable:
+                agent.sync_engine()  # in-process: drops stale copies; SGLang: pushes the new weights
         await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = self.step_count
         return metrics
 
     # -- pieces --
-    def make_episodes(self, prompts, columns: dict, group_size: int) -> list[Episode]:
-        data_inputs = [n.name for n in self.recipe.nodes if n.op == "input"]
+    @property
+    def episodes_per_prompt(self) -> int:
+        """group_size for recipes that generate; 1 for offline ones (DPO pairs)."""
+        return self.options.group_size if self.plan.generates() else 1
+
+    def make_episodes(self, ctx: StepContext, prompts, columns: dict, group_size: int) -> list[Episode]:
+        data_inputs = [n.name for n in self.recipe.nodes if self.plan.role(n.name) is Role.DATA]
         if prompts is None:
             if len(data_inputs) == 1 and data_inputs[0] in columns:
                 prompts = columns.pop(data_inputs[0])
@@ -182,22 +198,22 @@ class Compiled:
         for k, v in columns.items():
             if len(v) != len(rows):
                 raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
-        has_generation = self._generates()
-        g = group_size if has_generation else 1
+        generates = self.plan.generates()
+        g = group_size if generates else 1
         episodes = []
         for p, row in enumerate(rows):
             cols = {k: v[p] for k, v in columns.items()}
             prompt = row
-            if isinstance(row, dict) and has_generation:
+            if isinstance(row, dict) and generates:
                 cols = {**{k: v for k, v in row.items() if k not in ("prompt", "messages")}, **cols}
                 prompt = row.get("prompt", row.get("messages"))
             gid = cols.get("id", p)
             for j in range(g):
                 idx = p * g + j
-                seed = self.options.seed * 1_000_003 + self.step_count * 100_003 + idx
-                ep = Episode(idx, p, gid, prompt, cols, seed)
+                seed = self.options.seed * 1_000_003 + ctx.step * 100_003 + idx
+                ep = Episode(idx, p, gid, prompt, cols, seed, uid=f"{ctx.rollout_id}-{idx}")
                 for name in data_inputs:
-                    ep.values[name] = prompt if len(data_inputs) == 1 else row[name]
+                    ep.store(name, prompt if len(data_inputs) == 1 else row[name])
                 episodes.append(ep)
         return episodes
 
@@ -207,7 +223,7 @@ class Compiled:
             "episodes": float(len(episodes)), "failed_episodes": float(len(episodes) - len(ok)),
             "filtered_episodes": float(sum(e.filtered for e in ok)),
         }
-        reward_nodes = [n for n in self.plan.order if self.plan.nodes[n].op == "rewards"]
+        reward_nodes = [n for n in self.plan.order if output_of(self.plan.nodes[n]).kind is Kind.SCORE]
         for name in reward_nodes:
             totals = torch.tensor([float(torch.as_tensor(e.values[name]).sum()) for e in ok if name in e.values])
             if len(totals):
@@ -232,9 +248,14 @@ class Compiled:
         self.last_errors = [str(e.error) for e in episodes if e.error]
         return m
 
+    def episode_rollout(self, ep: Episode):
+        """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""
+        name = self.plan.rollout_node()
+        return ep.rollout(name) if name is not None and name in ep.values else None
+
     def optimizer_step(self) -> float:
         norms = []
-        for name, opt in self.optimizers.items():
+        for opt in self.optimizers.values():
             params = [p for g in opt.param_groups for p in g["params"]]
             if self.options.max_grad_norm is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, self.options.max_grad_norm)))
@@ -274,17 +295,8 @@ class Compiled:
                 policy.update(list(ref.model.parameters()), list(src.model.parameters()), step=self.step_count,
                               kl=kl if kl is not None else 0.0)
 
-    def episode_rollout(self, ep: Episode):
-        """The episode's rollout: the value of its last rollout-producing node."""
-        from materl.compiler.score_ops import as_rollout
-
-        for name in reversed(self.plan.episode):
-            if self.plan.nodes[name].op in ROLLOUT_OPS and name in ep.values:
-                return as_rollout(ep.values[name])
-        return None
-
     def __repr__(self) -> str:
         return f"<compiled {self.recipe.name}: {len(self.plan.order)} nodes, agents {', '.join(self.agents)}>"
 
 
-__all__ = ["compile", "Compiled", "EpisodeError"]
+__all__ = ["compile", "Compiled"]

@@ -1,27 +1,30 @@
 """Planning: validate a recipe against its agents, prune dead nodes, order, pick an
-implementation per node, and partition into stages.
+implementation per node from the op table, and partition into stages.
 
 Stages:
   rollout  - episode nodes, one async task per episode; group nodes fire when their group's
              episodes are done (unless they need batch-wide statistics).
-  prepare  - learner, once per batch, no gradient: frozen-agent forwards, batch-wide advantages,
+  prepare  - learner, once per batch, no gradient: frozen-agent forwards, batch-wide scores,
              batch-scope custom ops. A trainable agent's log-probs read here are the sampling
              log-probs (old log-probs); its values are a no-grad forward (old values).
   update   - learner, per micro-batch with gradient: trainable-agent forwards and the losses.
+
+Every decision is read from the node's ``OpSpec`` (its role, locality and implementation
+rules); nothing here compares op names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from materl.compiler.options import CompileOptions
+from materl.compiler.spec import RecipeInfo, Role, spec_of
 from materl.errors import CompileError
 from materl.graph.lint import topo_order
 from materl.graph.node import Node, Recipe, ref_node
 
-LOSS_OPS = ("policy_loss", "value_loss", "preference_loss")
-# estimators whose statistics stay inside one group; others need the whole batch
-GROUP_LOCAL_ESTIMATORS = {"grpo", "dr_grpo", "rloo", "opo"}
+STAGES = ("episode", "group", "prepare", "update")
 
 
 @dataclass
@@ -36,14 +39,29 @@ class Plan:
     update: list[str] = field(default_factory=list)
     live: set[str] = field(default_factory=set)  # recomputed with gradient each micro-batch
     pruned: list[str] = field(default_factory=list)
-    impls: dict[str, str] = field(default_factory=dict)  # node -> implementation label
-    fused: list[tuple[str, ...]] = field(default_factory=list)
+    impls: dict[str, str] = field(default_factory=dict)  # node -> implementation name
+    notes: dict[str, str] = field(default_factory=dict)  # node -> why a Mojo implementation is not used
+
+    def impl(self, name: str):
+        """The ``Impl`` chosen for node ``name``."""
+        spec = spec_of(self.nodes[name])
+        return next(i for i in spec.impls if i.name == self.impls[name])
+
+    def role(self, name: str) -> Role:
+        return spec_of(self.nodes[name]).role
 
     def stage_of(self, name: str) -> str:
-        for stage in ("episode", "group", "prepare", "update"):
+        for stage in STAGES:
             if name in getattr(self, stage):
                 return stage
         return "input"
+
+    def rollout_node(self) -> str | None:
+        """The last rollout-producing episode node: what an episode's tokens are."""
+        return next((n for n in reversed(self.episode) if self.role(n) is Role.ROLLOUT), None)
+
+    def generates(self) -> bool:
+        return self.rollout_node() is not None
 
     def explain(self) -> str:
         r = self.recipe
@@ -62,12 +80,15 @@ class Plan:
             lines.append(f"  {title}")
             for name in names:
                 extra = " (live)" if name in self.live else ""
-                lines.append(f"    {self.nodes[name]}  <- {self.impls.get(name, 'python')}{extra}")
+                note = f" ({self.notes[name]})" if name in self.notes else ""
+                lines.append(f"    {self.nodes[name]}  <- {self.impls[name]}{note}{extra}")
         if self.recipe.losses:
             terms = " + ".join(f"{w:g} * %{ref}" if w != 1 else f"%{ref}" for ref, w in self.recipe.losses)
             lines.append(f"  loss = {terms}")
-        for group in self.fused:
-            lines.append(f"  fused: {' + '.join(group[:-1])} {group[-1]} (one Mojo kernel call per group)")
+        for name in self.order:
+            describe = spec_of(self.nodes[name]).describe
+            if describe is not None and (text := describe(self.nodes[name], self.impls[name])):
+                lines.append(f"  {text}")
         if self.pruned:
             lines.append(f"  pruned (unused): {', '.join(self.pruned)}")
         mb = o.micro_batch_size or "mini-batch"
@@ -78,7 +99,8 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *, rollout_only: bool = False) -> Plan:
+def make_plan(recipe: Recipe, agents: dict[str, Any], options: CompileOptions, *,
+              rollout_only: bool = False) -> Plan:
     problems = recipe.lint()
     if problems:
         raise CompileError("; ".join(problems))
@@ -96,44 +118,53 @@ def make_plan(recipe: Recipe, agents: dict, options: CompileOptions, impl_for, *
         raise CompileError(
             f"compile: {recipe.where} needs agent(s) {', '.join(missing)}; got {', '.join(agents) or 'none'}"
         )
+    _check(recipe, {n: nodes[n] for n in keep}, agents)
     order = [n for n in topo_order(recipe) if n in keep]
     plan = Plan(recipe, options, nodes, order, pruned=[n.name for n in recipe.nodes if n.name not in keep])
     _partition(plan, agents)
     for name in plan.order:
-        if nodes[name].op != "input":
-            plan.impls[name] = impl_for(plan, nodes[name])
-    _batch_fused_rewards(plan)
+        impl, note = spec_of(nodes[name]).choose(nodes[name], options)
+        plan.impls[name] = impl.name
+        if note:
+            plan.notes[name] = note
     return plan
 
 
-def _batch_fused_rewards(plan: Plan) -> None:
-    """A fused reward chain runs once per group (one kernel call over the group's completions)
-    instead of once per episode, when no episode node reads it."""
-    for name in list(plan.episode):
-        if plan.impls.get(name) != "mojo-fused":
-            continue
-        if any(name in plan.nodes[other].input_nodes for other in plan.episode):
-            continue
-        plan.episode.remove(name)
-        plan.group.insert(0, name)
-        terms = plan.nodes[name].params["terms"]
-        from materl.compiler.score_ops import fusable_terms
-
-        plan.fused.append(tuple(terms[i]["label"] for i in fusable_terms(plan.nodes[name])) + (f"in %{name}",))
+def _check(recipe: Recipe, nodes: dict[str, Node], agents: dict[str, Any]) -> None:
+    """Every op kind's wiring checks and agent requirements, all problems in one error."""
+    info = RecipeInfo(nodes, agents)
+    problems: list[str] = []
+    for node in nodes.values():
+        spec = spec_of(node)
+        problems += spec.check(node, info)
+        for name in node.agents:
+            if name in agents and (why := spec.agent_check(node, agents[name])):
+                problems.append(why)
+    if problems:
+        raise CompileError(f"compile: {recipe.where}: " + "; ".join(problems))
 
 
 def _resolve_defaults(recipe: Recipe, options: CompileOptions) -> dict[str, Node]:
+    """Fill choices left to compile time: the default advantage estimator, and with a reference
+    policy that uses no reference model (``reference="none"``), the KL terms dropped."""
+    from materl.ops.reference import REFERENCE_POLICIES
+
     default_adv = options.advantage or recipe.defaults.get("advantage") or "grpo"
+    uses_reference = REFERENCE_POLICIES.get(options.reference).uses_reference
     nodes = {}
     for n in recipe.nodes:
-        if n.op == "advantages" and n.params.get("estimator") is None:
+        spec = spec_of(n)
+        if spec.kind == "advantages" and n.params.get("estimator") is None:
             n = n.replace(params={**n.params, "estimator": default_adv})
+        if not uses_reference and spec.without_reference is not None:
+            n = spec.without_reference(n)
         nodes[n.name] = n
     return nodes
 
 
 def _needed(recipe: Recipe, nodes: dict[str, Node]) -> set[str]:
-    todo = [ref_node(r) for r, _ in recipe.losses] + [n for n, node in nodes.items() if node.op == "filter_groups"]
+    """Nodes the losses depend on, plus filters (they act by side effect: dropping groups)."""
+    todo = [ref_node(r) for r, _ in recipe.losses] + [n for n, node in nodes.items() if spec_of(node).always_runs]
     keep: set[str] = set()
     while todo:
         name = todo.pop()
@@ -144,15 +175,16 @@ def _needed(recipe: Recipe, nodes: dict[str, Node]) -> set[str]:
     return keep
 
 
-def _partition(plan: Plan, agents: dict) -> None:
+def _partition(plan: Plan, agents: dict[str, Any]) -> None:
     nodes = plan.nodes
     for name in plan.order:
         n = nodes[name]
-        trainable_forward = n.op in ("logprobs", "values") and agents[n.agents[0]].trainable
-        upstream_live = any(src in plan.live for src in n.input_nodes) and n.op != "advantages"
+        role = spec_of(n).role
+        trainable_forward = role is Role.FORWARD and agents[n.agents[0]].trainable
+        upstream_live = role is not Role.SCORE and any(src in plan.live for src in n.input_nodes)
         if trainable_forward or (n.scope == "batch" and upstream_live):
             plan.live.add(name)
-        if n.op == "input":
+        if role is Role.DATA:
             continue
         if n.scope == "episode":
             plan.episode.append(name)
@@ -173,6 +205,4 @@ def _partition(plan: Plan, agents: dict) -> None:
 def _group_local(n: Node, nodes: dict[str, Node], deferred: list[str]) -> bool:
     if any(nodes[s].scope == "batch" or s in deferred for s in n.input_nodes):
         return False
-    if n.op == "advantages":
-        return n.params["estimator"] in GROUP_LOCAL_ESTIMATORS and n.params.get("scale", "group") != "batch"
-    return True
+    return spec_of(n).locality_of(n) in ("row", "group", "group_call")

@@ -1,109 +1,215 @@
-"""The rollout stage: one anyio task per episode; group nodes fire when their group is done.
+"""The rollout stage: one anyio task per episode; group nodes fire when their groups are done.
 
-Episodes run concurrently under a limit; while some await tools, others generate, and the
-engine batches whatever generation requests are pending. An episode that raises or times out is
-recorded with its error and left out of the update; a step never hangs (every episode has a
-deadline).
+Episodes run concurrently under a limit; while some await tools, others generate, and the engine
+batches whatever generation requests are pending. An episode that raises or times out is recorded
+with its ``Failure`` and left out of the update; a step never hangs (every episode has a deadline).
+
+Batching by tick. Episodes that reach the same row-local node (its ``OpSpec`` locality is "row",
+e.g. the rewards) in the same event-loop tick run it as ONE batch call, and groups that finish in
+the same tick fire a group-local node (locality "group", e.g. GRPO advantages, which take group
+ids) in one call over all of them. "The same tick": the first arrival waits until a whole pass of
+the loop's ready tasks brings no new one, so the batches do not depend on wall-clock time. If a
+batched call raises, its episodes (or groups) are re-run one by one, so one bad row fails only its
+own episode, as with per-episode calls.
 """
 
 from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 
+from materl.compiler.context import Run
+from materl.compiler.episode import Episode, split
 from materl.compiler.failures import Failure
-from materl.compiler.impls import IMPLS
-from materl.compiler.values import Episode, resolve, split
+from materl.compiler.spec import spec_of
 from materl.errors import StepTimeoutError
 
-
-def store(ep: Episode, node, value) -> None:
-    if node.op == "advantages" and isinstance(value, dict):
-        ep.values[node.name] = value["advantages"]
-        ep.values[node.name + ":returns"] = value["returns"]
-    else:
-        ep.values[node.name] = value
+SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
 
 
-async def run_batch_node(rt, name: str, eps: list[Episode]) -> None:
-    """Run a group/batch node over ``eps`` and store its output per episode."""
-    plan = rt.plan
-    node = plan.nodes[name]
-    impl = IMPLS[node.op][plan.impls[name]].batch
-    inputs = [[resolve(ep, ref) for ep in eps] for ref in node.inputs if not ref.startswith("@")]
-    t0 = time.perf_counter()
-    out = impl(rt, node, eps, inputs)
+async def settle(count: Callable[[], int]) -> None:
+    """Yield until a whole pass of the event loop's ready tasks changes ``count()`` no more."""
+    seen = -1
+    while count() != seen:
+        seen = count()
+        for _ in range(SETTLE_PASSES):
+            await anyio.lowlevel.checkpoint()
+
+
+async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
+    """Run group/batch node ``name`` over ``eps``; one validated value per episode."""
+    node = run.plan.nodes[name]
+    inputs = [[ep.resolve(ref) for ep in eps] for ref in node.inputs if not ref.startswith("@")]
+    out = run.plan.impl(name).batch(run, node, eps, inputs)
     if inspect.isawaitable(out):
         out = await out
-    rt.timings[name] = rt.timings.get(name, 0.0) + time.perf_counter() - t0
-    for ep, v in zip(eps, split(out, len(eps))):
-        store(ep, node, v)
+    values = split(out, len(eps), what=f"op {_label(node)} (node {name!r})")
+    for ep, value in zip(eps, values):
+        check_value(run, name, ep, value)
+    return values
 
 
-async def run_episode(rt, ep: Episode) -> None:
-    plan = rt.plan
+def check_value(run: Run, name: str, ep: Episode, value: Any) -> None:
+    """A value against its op's spec (per-token values as long as the episode's completion)."""
+    spec = spec_of(run.plan.nodes[name])
+    if spec.validate is not None:
+        spec.validate(run, run.plan.nodes[name], ep, value)
+
+
+def _label(node) -> str:
+    fn = node.params.get("fn")
+    return repr(getattr(fn, "__name__", node.op))
+
+
+class TickBatcher:
+    """Episodes reaching one row-local node in the same tick share one batch call."""
+
+    def __init__(self, run: Run, name: str, tg: anyio.abc.TaskGroup):
+        self.run, self.name, self.tg = run, name, tg
+        self.pending: list[tuple[Episode, anyio.Event, list]] = []
+
+    async def submit(self, ep: Episode) -> Any:
+        box: list = []
+        done = anyio.Event()
+        if not self.pending:
+            self.tg.start_soon(self._flush)
+        self.pending.append((ep, done, box))
+        await done.wait()
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
+
+    async def _flush(self) -> None:
+        await settle(lambda: len(self.pending))
+        batch, self.pending = self.pending, []
+        eps = [ep for ep, _, _ in batch]
+        try:
+            results = [(True, v) for v in await call_batch(self.run, self.name, eps)]
+        except Exception as exc:  # noqa: BLE001 - isolate: one call per episode
+            results = [await _alone(self.run, self.name, ep) for ep in eps] if len(eps) > 1 else [(False, exc)]
+        for (_, done, box), result in zip(batch, results):
+            box.append(result)
+            done.set()
+
+
+async def _alone(run: Run, name: str, ep: Episode) -> tuple[bool, Any]:
+    try:
+        return True, (await call_batch(run, name, [ep]))[0]
+    except Exception as exc:  # noqa: BLE001 - delivered to the episode's task
+        return False, exc
+
+
+async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -> None:
+    plan = run.plan
     name = "(start)"
     try:
-        with anyio.fail_after(rt.options.episode_timeout_s):
+        with anyio.fail_after(run.options.episode_timeout_s):
             for name in plan.episode:
                 node = plan.nodes[name]
-                impl = IMPLS[node.op][plan.impls[name]]
-                args = [resolve(ep, ref) for ref in node.inputs if not ref.startswith("@")]
+                impl = plan.impl(name)
                 t0 = time.perf_counter()
-                if impl.episode is not None:
-                    value = await impl.episode(rt, node, ep, *args)
+                if name in batchers:
+                    value = await batchers[name].submit(ep)
+                elif impl.episode is not None:
+                    args = [ep.resolve(ref) for ref in node.inputs if not ref.startswith("@")]
+                    value = await impl.episode(run, node, ep, *args)
+                    check_value(run, name, ep, value)
                 else:
-                    value = impl.batch(rt, node, [ep], [[a] for a in args])
-                    value = (await value) if inspect.isawaitable(value) else value
-                    value = split(value, 1)[0]
+                    value = (await call_batch(run, name, [ep]))[0]
                 ep.timings[name] = time.perf_counter() - t0
-                store(ep, node, value)
+                ep.store(name, value)
     except TimeoutError:
         ep.error = Failure(name, StepTimeoutError.__name__,
-                           f"episode exceeded episode_timeout_s={rt.options.episode_timeout_s}")
+                           f"episode exceeded episode_timeout_s={run.options.episode_timeout_s}")
     except Exception as e:  # recorded on the episode, never raised out of the step
         ep.error = Failure.of(name, e)
+    finally:
+        with anyio.CancelScope(shield=True):
+            for toolbox in run.toolboxes:  # per-episode tool state ends with the episode
+                await toolbox.end_episode(ep.uid)
 
 
-async def rollout(rt, episodes: list[Episode], *, on_episode=None) -> None:
-    """Run every episode; fire each group's nodes as soon as its last episode finishes.
-    ``on_episode(ep)`` is called as each episode's own nodes finish."""
-    plan = rt.plan
+async def rollout_stage(run: Run, episodes: list[Episode], *,
+                        on_episode: Callable[[Episode], None] | None = None) -> float:
+    """Run every episode and its groups' group nodes; returns the stage's wall time."""
+    plan = run.plan
     groups: dict[int, list[Episode]] = {}
     for ep in episodes:
         groups.setdefault(ep.group, []).append(ep)
     remaining = {g: len(members) for g, members in groups.items()}
-    limit = anyio.Semaphore(rt.options.max_concurrent_episodes)
-
-    async def one(ep: Episode) -> None:
-        async with limit:
-            await run_episode(rt, ep)
-        if on_episode is not None:
-            on_episode(ep)
-        remaining[ep.group] -= 1
-        if remaining[ep.group] == 0 and plan.group:
-            await fire_group(rt, [m for m in groups[ep.group] if m.error is None])
-
+    limit = anyio.Semaphore(run.options.max_concurrent_episodes)
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
+        batchers = {name: TickBatcher(run, name, tg) for name in plan.episode
+                    if spec_of(plan.nodes[name]).locality_of(plan.nodes[name]) == "row"
+                    and plan.impl(name).batch is not None}
+        firer = GroupFirer(run, tg)
+
+        async def one(ep: Episode) -> None:
+            async with limit:
+                await run_episode(run, ep, batchers)
+            if on_episode is not None:
+                on_episode(ep)
+            remaining[ep.group] -= 1
+            if remaining[ep.group] == 0 and plan.group:
+                firer.ready(groups[ep.group])
+
         for ep in episodes:
             tg.start_soon(one, ep)
-    rt.timings["stage/rollout"] = time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
-async def fire_group(rt, members: list[Episode]) -> None:
-    if not members:
-        return
-    for name in rt.plan.group:
-        live = [m for m in members if m.error is None and not m.filtered]
-        if not live:
-            return
-        try:
-            await run_batch_node(rt, name, live)
-        except Exception as e:
+class GroupFirer:
+    """Finished groups run the plan's group nodes; those that finish in the same tick share one
+    call per group-local node (locality "group"), other group nodes get one call per group."""
+
+    def __init__(self, run: Run, tg: anyio.abc.TaskGroup):
+        self.run, self.tg = run, tg
+        self.pending: list[list[Episode]] = []
+
+    def ready(self, members: list[Episode]) -> None:
+        if not self.pending:
+            self.tg.start_soon(self._flush)
+        self.pending.append(members)
+
+    async def _flush(self) -> None:
+        await settle(lambda: len(self.pending))
+        groups, self.pending = self.pending, []
+        plan = self.run.plan
+        for name in plan.group:
+            node = plan.nodes[name]
+            live = [[m for m in g if m.ok] for g in groups]
+            live = [g for g in live if g]
+            if not live:
+                return
+            if spec_of(node).locality_of(node) == "group" and len(live) > 1:
+                if await _fire(self.run, name, [m for g in live for m in g]):
+                    continue
+            for g in live:  # one call per group (also the fallback when a joint call failed)
+                await _fire(self.run, name, g, record=True)
+
+
+async def _fire(run: Run, name: str, members: Sequence[Episode], *, record: bool = False) -> bool:
+    """Run group node ``name`` over ``members``; store its values. On failure: with ``record``,
+    every member fails with it; else nothing is stored and False is returned (the caller retries
+    per group)."""
+    t0 = time.perf_counter()
+    try:
+        values = await call_batch(run, name, list(members))
+    except Exception as e:  # noqa: BLE001
+        if record:
             failure = Failure.of(name, e)
-            for m in live:
+            for m in members:
                 m.error = failure
-            return
+        return False
+    elapsed = (time.perf_counter() - t0) / len(members)
+    for m, v in zip(members, values):
+        m.store(name, v)
+        m.timings[name] = elapsed
+    return True

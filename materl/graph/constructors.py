@@ -47,6 +47,22 @@ def generate_step(agent, history, tool_responses=None, *, name: str | None = Non
                  fixed_scope=True)
 
 
+def env_rollout(agent, env, prompts, *, max_turns: int | None = None, name: str | None = None) -> Value:
+    """A multi-turn episode against an environment: one fresh ``env()`` per episode (any object
+    with async ``reset(prompt, **columns)``, async ``step(text) -> EnvStep`` and ``is_done()``,
+    see ``materl.rollout.env``), driven for up to ``max_turns`` model turns (default: the compile
+    option). The environment's turns are untrained; its step rewards land on the model turn they
+    judge (score them with ``ml.reward("step_rewards")``)."""
+    if not callable(env):
+        raise RecipeError(f"ml.env_rollout needs an environment factory (a class or a function returning a "
+                          f"fresh environment), got {env!r}")
+    b = active_builder("ml.env_rollout")
+    a = b.agent(agent, "ml.env_rollout")
+    params = {"env": env, **({"max_turns": max_turns} if max_turns else {})}
+    return b.add("env_rollout", [a, prompts], params, scope="episode", name=name, default_name="rollout",
+                 fixed_scope=True)
+
+
 def structure_rollout(*parts, name: str | None = None, turn_gamma: float | None = None) -> Value:
     """The episode's Rollout: ordered generate and tool steps with exact token ids and loss masks
     (tool output and prompts are never trained on)."""

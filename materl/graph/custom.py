@@ -1,13 +1,23 @@
-"""``@ml.op``: a user's Python function (sync or async) as a graph node.
+"""``@ml.op`` and ``@ml.mojo_op``: a user's Python function (sync or async), or a user's Mojo
+kernel, as a graph node.
 
     @ml.op
     def sentiment_reward(completions_text: list[str]) -> {"rewards": torch.Tensor}: ...
+
+    @ml.mojo_op(path="kernels/repetition_penalty.mojo")
+    def repetition_penalty(completions: torch.Tensor) -> {"penalty_scores": torch.Tensor}:
+        '''The body is a declaration; the kernel in ``path`` runs.'''
 
 Outputs come from the return annotation (a dict of names) or ``outputs=``. Scope: async ops run
 per episode by default (one call per episode, e.g. a tool call); sync ops per group (they get the
 group's values as lists/tensors) unless ``scope=`` says otherwise; a node never runs before its
 inputs exist, so the scope is raised to the latest input's scope. Called outside a recipe, an op
 is just the function.
+
+A Mojo op's kernel is built (and cached) when the recipe is compiled: a missing file or a
+compile error fails ``ml.compile`` naming the node, with the Mojo compiler's message. At run
+time it sees its group's values, rollouts as their exact completion token ids (the compiler
+converts them); the calling convention a kernel follows is in ``materl/kernels/fusion.py``.
 """
 
 from __future__ import annotations
@@ -15,12 +25,12 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from materl.errors import RecipeError
 from materl.graph.node import SCOPES
-from materl.graph.trace import _BUILDER, Value
+from materl.graph.trace import _BUILDER, RewardExpr, Value
 
 
 class Op:
@@ -48,7 +58,7 @@ class Op:
                               f"signature: {self.fn.__name__}{self.signature}") from None
         inputs, argnames, consts = [], [], {}
         for pname, v in bound.arguments.items():
-            if isinstance(v, Value) or type(v).__name__ == "RewardExpr":
+            if isinstance(v, (Value, RewardExpr)):
                 inputs.append(v)
                 argnames.append(pname)
             else:
@@ -87,3 +97,31 @@ def _annotated_outputs(fn: Callable) -> tuple[str, ...]:
             if len(keys) == len(tree.keys):
                 return tuple(keys)
     return ()
+
+
+def mojo_op(path: str, *, outputs: Sequence[str] | None = None, fn_name: str | None = None,
+            scope: str = "group") -> Callable[[Callable], Op]:
+    """Decorator: the Mojo kernel ``fn_name`` (default: the function's name) in ``path`` as an op
+    with the decorated function's signature and outputs."""
+
+    def decorate(fn: Callable) -> Op:
+        name = fn_name or fn.__name__
+        outs = tuple(outputs) if outputs is not None else _annotated_outputs(fn)
+
+        @functools.lru_cache(maxsize=1)
+        def kernel():
+            from materl.kernels.fusion import load_user_kernel
+
+            return load_user_kernel(path, name, list(outs))
+
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            ordered = signature.bind(*args, **kwargs).arguments.values()  # the kernel takes them in order
+            return {k: v.float() for k, v in kernel()(*ordered).items()}
+
+        run.materl_kernel = kernel  # the compiler builds it at compile time
+        return Op(run, outputs=outs, scope=scope, kind="mojo", extra={"_mojo": str(path)})
+
+    return decorate

@@ -255,7 +255,7 @@ def supports(op: str, params: dict) -> tuple[bool, str]:
 
 def learner_policy_loss(node, logp: Tensor, old_logp: Tensor, adv: Tensor, mask: Tensor,
                         ref_logp: Tensor | None, *, denom: float | None) -> tuple[Tensor, dict[str, float]]:
-    """``materl.compiler.kernel_impls.torch_policy_loss``'s contract, run by the fused kernel."""
+    """``materl.compiler.kinds.losses.torch_policy_loss``'s contract, run by the fused kernel."""
     p = {k: v for k, v in dict(node.params).items() if v is not None}
     kw = {k: p.pop(k) for k in ("loss", "agg", "kl_coef", "norm") if k in p}
     kw["kl"] = p.pop("kl", "k3")

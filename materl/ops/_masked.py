@@ -23,6 +23,20 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return masked_sum(x, mask, dim) / denom.clamp(min=1)
 
 
+def place_on_last_trained(values_B: Tensor, mask_B_T: Tensor) -> Tensor:
+    """(B, T): each row's value on its last trained token (the last one where the mask is set:
+    the model's own final token, never tool output after it); 0 elsewhere, and a row with no
+    trained token gets none. The one rule for where a per-completion score lands among tokens
+    (outcome rewards summed with token-level ones, advantages, value targets)."""
+    T = mask_B_T.shape[1]
+    pos = torch.arange(T, device=mask_B_T.device).expand_as(mask_B_T)
+    last_B = torch.where(mask_B_T > 0, pos, -1).amax(-1) if T else torch.full((len(values_B),), -1)
+    out = torch.zeros(mask_B_T.shape, dtype=values_B.dtype, device=mask_B_T.device)
+    has = last_B >= 0
+    out[has.nonzero()[:, 0], last_B[has]] = values_B[has]
+    return out
+
+
 def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
     """Variance over masked entries; unbiased (n-1) like verl's ``masked_var``."""
     mean = masked_mean(x, mask)

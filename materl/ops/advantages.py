@@ -38,10 +38,18 @@ import torch
 from torch import Tensor
 
 from materl.errors import ConfigError, RewardError, ShapeError
-from materl.ops._masked import group_index, group_stats, masked_whiten
+from materl.ops._masked import group_index, group_stats, masked_whiten, place_on_last_trained
 from materl.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage")
+
+
+def group_statistics(fn):
+    """Mark an estimator whose statistics stay inside each group (its result for a group does
+    not depend on the other groups), so a compiled recipe may compute it as each group
+    finishes. Unmarked estimators use batch-wide statistics and run once per batch."""
+    fn.statistics = "group"
+    return fn
 
 GRPO_SCALES = ("group", "batch", "none")
 
@@ -49,6 +57,7 @@ GroupIds = Sequence[Hashable] | Tensor | None
 
 __all__ = [
     "ADVANTAGES",
+    "group_statistics",
     "GRPO_SCALES",
     "discounted_returns",
     "dr_grpo",
@@ -89,18 +98,7 @@ def _prepare(op: str, rewards: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Te
     mask_f = (mask != 0).to(rewards.dtype)
     if rewards.dim() == 2:
         return rewards, mask_f, rewards.sum(-1)
-    return _on_last_token(rewards, mask_f), mask_f, rewards
-
-
-def _on_last_token(rewards_B: Tensor, mask_B_T: Tensor) -> Tensor:
-    """Place each row's reward on its last trained token; a row with none gets no token reward."""
-    T = mask_B_T.shape[1]
-    pos = torch.arange(T, device=mask_B_T.device).expand_as(mask_B_T)
-    last_B = torch.where(mask_B_T > 0, pos, -1).amax(-1)
-    out = torch.zeros_like(mask_B_T)
-    has = last_B >= 0
-    out[has.nonzero()[:, 0], last_B[has]] = rewards_B[has]
-    return out
+    return place_on_last_trained(rewards, mask_f), mask_f, rewards
 
 
 def _shift_onto_trained(rewards_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
@@ -187,6 +185,7 @@ def _returns(tok_B_T: Tensor, mask_B_T: Tensor, gamma: float) -> Tensor:
 
 
 @ADVANTAGES.register("grpo")
+@group_statistics
 @torch.no_grad()
 def grpo(
     rewards: Tensor,
@@ -231,6 +230,7 @@ def grpo(
 
 
 @ADVANTAGES.register("dr_grpo")
+@group_statistics
 @torch.no_grad()
 def dr_grpo(
     rewards: Tensor, mask: Tensor, *, group_ids: GroupIds = None, group_size: int | None = None
@@ -247,6 +247,7 @@ def dr_grpo(
 
 
 @ADVANTAGES.register("rloo")
+@group_statistics
 @torch.no_grad()
 def rloo(
     rewards: Tensor, mask: Tensor, *, group_ids: GroupIds = None, group_size: int | None = None
@@ -270,6 +271,7 @@ def rloo(
 
 
 @ADVANTAGES.register("opo")
+@group_statistics
 @torch.no_grad()
 def opo(
     rewards: Tensor, mask: Tensor, *, group_ids: GroupIds = None, group_size: int | None = None

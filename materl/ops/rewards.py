@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from materl.errors import ConfigError, MaterlError, RewardError, ShapeError
+from materl.ops._masked import place_on_last_trained
 from materl.registry import Registry
 
 REWARDS: Registry[Callable[..., Any]] = Registry("reward")
@@ -70,6 +71,7 @@ class RewardScores(NamedTuple):
 class _BatchInfo:
     size: int
     lengths: tuple[int, ...] | None  # completion lengths in tokens, when the batch has them
+    trained: tuple[tuple[int, ...], ...] | None = None  # the rollouts' loss masks, when they align with them
 
     @property
     def width(self) -> int:
@@ -93,7 +95,11 @@ def _inspect_batch(batch: Mapping[str, Any]) -> _BatchInfo:
     if ids is None and batch.get("rollouts") is not None:
         ids = [r.completion_ids for r in batch["rollouts"]]
     lengths = tuple(len(row) for row in ids) if ids is not None else None
-    return _BatchInfo(next(iter(sizes.values())), lengths)
+    rollouts, trained = batch.get("rollouts"), None
+    if rollouts is not None and lengths is not None and all(r is not None for r in rollouts) and \
+            tuple(len(r.completion_ids) for r in rollouts) == lengths:
+        trained = tuple(tuple(r.loss_mask) for r in rollouts)
+    return _BatchInfo(next(iter(sizes.values())), lengths, trained)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -283,16 +289,21 @@ def _merge(dicts: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
 
 
 def _on_last_token(name: str, scores_B: Tensor, info: _BatchInfo) -> Tensor:
-    lengths = torch.tensor(info.lengths or (), dtype=torch.long)
-    empty = (lengths == 0).nonzero()
+    """A per-completion score summed with token-level ones lands on the completion's last trained
+    token (``place_on_last_trained``: tool output after the model's last turn is not trained)."""
+    if info.trained is not None:
+        mask = torch.zeros(info.size, info.width)
+        for i, row in enumerate(info.trained):
+            mask[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+    else:
+        mask = _length_mask(info)
+    empty = (mask.sum(-1) == 0).nonzero()
     if len(empty):
         raise RewardError(
             f"reward {name!r} scores whole completions and is summed with token-level rewards, so it lands on "
-            f"each completion's last token; row {empty[0].item()} has no tokens"
+            f"each completion's last trained token; row {empty[0].item()} has none"
         )
-    out = torch.zeros(info.size, info.width, dtype=torch.float32)
-    out[torch.arange(info.size), lengths - 1] = scores_B
-    return out
+    return place_on_last_trained(scores_B.float(), mask)
 
 
 def _sum(totals: Sequence[Tensor], names: Sequence[str], info: _BatchInfo) -> Tensor:

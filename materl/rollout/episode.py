@@ -167,6 +167,17 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
     return replace(state, ids=state.ids + ids, messages=messages, steps=state.steps + [step])
 
 
+async def sample_turn(engine, tokenizer, ids: list[int], params: SamplingParams) -> Step:
+    """One model turn continuing ``ids``: the engine's exact token ids and sampling log-probs,
+    the decoded text and the latency, as a generate ``Step``. Single-turn generation,
+    ``generate_step`` and environments all sample through here."""
+    t0 = time.perf_counter()
+    gen = await engine.generate(ids, params)
+    text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    return Step("generate", list(gen.token_ids), list(gen.logprobs), text=text, finish_reason=gen.finish_reason,
+                latency_s=time.perf_counter() - t0)
+
+
 async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
                         *, parser: str = "hermes") -> StepResult:
     from materl.rollout.parsers import TOOL_PARSERS, error_result, stop_strings
@@ -181,16 +192,11 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
         results = [error_result(c) for c in calls if c.error is not None] + results
         state = append_tool_results(tokenizer, state, results)
     params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(stop_strings(parser)))
-    t0 = time.perf_counter()
-    gen = await engine.generate(state.ids, params)
-    text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-    parsed = TOOL_PARSERS.get(parser)(text)
-    step = Step("generate", list(gen.token_ids), list(gen.logprobs), text=text, tool_calls=parsed.calls,
-                finish_reason="tool_call" if parsed.calls else gen.finish_reason,
-                latency_s=time.perf_counter() - t0,
-                error="; ".join(c.error for c in parsed.calls if c.error) or None)
-    messages = state.messages + [{"role": "assistant", "content": text}]
-    done = not parsed.calls or gen.finish_reason == "length"
-    state = replace(state, ids=state.ids + list(gen.token_ids), messages=messages,
-                    steps=state.steps + [step], done=done)
+    sampled = await sample_turn(engine, tokenizer, state.ids, params)
+    parsed = TOOL_PARSERS.get(parser)(sampled.text)
+    step = replace(sampled, tool_calls=parsed.calls, finish_reason="tool_call" if parsed.calls else sampled.finish_reason,
+                   error="; ".join(c.error for c in parsed.calls if c.error) or None)
+    messages = state.messages + [{"role": "assistant", "content": step.text}]
+    done = not parsed.calls or sampled.finish_reason == "length"
+    state = replace(state, ids=state.ids + step.token_ids, messages=messages, steps=state.steps + [step], done=done)
     return StepResult(state, step)

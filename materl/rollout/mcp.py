@@ -184,13 +184,19 @@ class Toolbox:
         return f"Toolbox({', '.join(c.name for c in self._conns)})"
 
     # -- lifecycle --
+    @property
+    def started(self) -> bool:
+        return self._state == "started"
+
     async def start(self) -> Toolbox:
         """Start every server (concurrently) and list their tools; raises ``ToolError`` if one
-        cannot start, after stopping the others."""
+        cannot start, after stopping the others. A closed Toolbox starts again with new server
+        processes (a recipe's toolbox outlives the compiled steps that used it)."""
         if self._state == "started":
             return self
         if self._state == "closed":
-            raise ToolError("this Toolbox is closed; create a new one with mcp_tools(...)")
+            self._conns = [_Connection(c.spec, c.name, timeout_s=c.timeout_s, max_concurrency=c.max_concurrency,
+                                       restart=c.restart) for c in self._conns]
         try:
             await asyncio.gather(*(c.start() for c in self._conns))
             self._routes = self._build_routes()
@@ -199,6 +205,10 @@ class Toolbox:
             raise
         self._state = "started"
         return self
+
+    async def end_episode(self, episode_id: str) -> None:
+        """Episode ``episode_id`` ended: per-episode server state may be dropped (servers keep
+        their state keyed by the episode id they are given; nothing to release here)."""
 
     async def aclose(self) -> None:
         """Stop every server. Calls made afterwards return an error result."""

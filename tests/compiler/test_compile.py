@@ -155,7 +155,7 @@ def test_compile_errors_name_what_is_wrong(tiny):
 
 
 def test_explain_shows_stages_and_implementations(tiny):
-    text = ml.compile(grpo, **agents_for(grpo, tiny)).explain()
+    text = ml.compile(grpo, **agents_for(grpo, tiny), kernels="torch").explain()
     assert "rollout stage: one async task per episode" in text
     assert "%advantages = advantages(%rewards, %completions) {estimator='grpo'} [group]  <- torch" in text
     assert "learner prepare" in text and "%ref_logprobs" in text
@@ -278,5 +278,5 @@ def test_seed_custom_penalty_recipe_with_a_mojo_op(tiny, tmp_path):
             adv = ml.advantages(ml.reward("length") + op(c))
             ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
 
-        with pytest.raises(CompileError, match=f"(?s)node .op.: Mojo kernel .* failed to load: .*{message}"):
+        with pytest.raises(CompileError, match=rf"(?s)node .op. \(op call\): Mojo kernel .* failed to load: .*{message}"):
             ml.compile(r, policy=tiny(trainable=True))

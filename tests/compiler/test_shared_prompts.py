@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import materl as ml
-from materl.compiler.learner import build_seq_batch, completion_hidden
+from materl.compiler.sequences import build_seq_batch, completion_hidden
 from materl.rollout.types import Rollout, Step
 from tests.tolerance import assert_close_to_scale
 

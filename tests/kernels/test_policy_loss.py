@@ -185,7 +185,7 @@ def test_supports_reports_why_not():
 
 @pytest.mark.mojo
 def test_learner_contract_matches_the_compilers_torch_path():
-    kernel_impls = pytest.importorskip("materl.compiler.kernel_impls")
+    from materl.compiler.kinds import losses as kernel_impls
     params = {"loss": "ppo_clip", "agg": "token_mean", "kl": "k3", "kl_coef": 0.05, "norm": None,
               "eps_low": 0.2, "eps_high": 0.28}
     node = SimpleNamespace(params=params, op="policy_loss")

@@ -225,9 +225,22 @@ def test_token_level_rewards_and_mixing():
         ones.score(**batch(completion_ids=[[1, 2, 3, 4], [5]]))
     with pytest.raises(RewardError, match=r"'tok' returned 1 token scores for row 0, whose completion has 2"):
         Reward(lambda **kw: [[0.1], [0.5]], name="tok").score(**batch(completion_ids=[[1, 2], [4]]))
-    with pytest.raises(RewardError, match=r"'const' .*lands on each completion's last token; row 1 has no tokens"):
+    with pytest.raises(RewardError, match=r"'const' .*lands on each completion's last trained token; row 1 has none"):
         fitted = Reward(lambda *, completion_ids, **kw: [[0.1] * len(x) for x in completion_ids], name="fit")
         (fitted + Reward(const([1, 2]))).score(**batch(completion_ids=[[1, 2, 3], []]))
+
+
+def test_a_completion_score_lands_on_the_last_trained_token_not_on_tool_output():
+    """Row 0 ends on tool output (tokens 3-4, untrained): its per-completion score goes to
+    token 2, the model's last token, as the advantages and the learner place it."""
+    from materl.rollout.types import Rollout, Step
+
+    rollouts = [Rollout([0], [Step("generate", [1, 2, 3], [0.0] * 3), Step("tool", [4, 5])]),
+                Rollout([0], [Step("generate", [6], [0.0])])]
+    ids = [r.completion_ids for r in rollouts]
+    zeros = Reward(lambda *, completion_ids, **kw: [[0.0] * len(x) for x in completion_ids], name="zeros")
+    total = (zeros + Reward(const([1, 2]))).score(completions=["a", "b"], completion_ids=ids, rollouts=rollouts)
+    close(total, [[0, 0, 1, 0, 0], [2, 0, 0, 0, 0]])
 
 
 def test_accepts_tensors_arrays_bools_and_ints():

@@ -5,7 +5,7 @@ import anyio
 import pytest
 
 import materl as ml
-from materl.compiler.score_ops import turn_discounted
+from materl.compiler.kinds.rewards import turn_discounted
 from materl.engines.base import SamplingParams
 from materl.rollout.episode import EpisodeState, StepResult, append_tool_results, generate_step
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
@@ -131,14 +131,15 @@ def test_step_reward_and_turn_gamma_through_a_recipe(agent):
 
 
 def test_environments_drive_multi_turn_episodes():
-    from materl.rollout.env import ConversationEnv, SimpleTextEnv, ToolBudgetVerifyEnv, env_rollout
+    from materl.rollout.env import ConversationEnv, SimpleTextEnv
+    from materl.runtime.tasks import ToolBudgetVerifyEnv
 
     def score(text, **_):
         return float(len(text) > 0)
 
     @ml.recipe
     def r(policy, prompts):
-        convo = env_rollout(policy, lambda: ConversationEnv(["and then?", "thanks"]), prompts, max_turns=4)
+        convo = ml.env_rollout(policy, lambda: ConversationEnv(["and then?", "thanks"]), prompts, max_turns=4)
         rewards = ml.reward("step_rewards", rollout=convo) + ml.reward("length", rollout=convo, target=3)
         ml.set_loss(ml.ppo_loss(ml.advantages(rewards, completions=convo), ml.logprobs(policy, prompts, convo)))
 
@@ -165,7 +166,7 @@ def test_environments_drive_multi_turn_episodes():
 
 
 def test_tool_budget_env_rewards_verification_then_answer():
-    from materl.rollout.env import ToolBudgetVerifyEnv
+    from materl.runtime.tasks import ToolBudgetVerifyEnv
 
     async def play():
         env = ToolBudgetVerifyEnv(budget=2, cost=1)

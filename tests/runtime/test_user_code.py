@@ -109,10 +109,10 @@ def calls_then_fail(n_ok: int):
 
 
 def test_a_run_that_starts_failing_keeps_its_last_good_checkpoint(tmp_path):
-    step = ml.compile(ml.replace(grpo, "rewards", lambda g: ml.reward(calls_then_fail(4))),
+    step = ml.compile(ml.replace(grpo, "rewards", lambda g: ml.reward(calls_then_fail(1))),
                       policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
                       group_size=2, max_new_tokens=4, lr=1e-3)
-    # one reward call per episode: step 1 = 2 prompts x 2 episodes = 4 calls, then every call fails
+    # the step's 4 episodes reach the rewards node together: one batched call per step, then it fails
     with pytest.raises(StepFailedError, match="step 2: 4 of 4 episodes failed"):
         train(step, arithmetic_rows(8, seed=0), steps=5, batch_size=2, save_every=1, run_dir=tmp_path,
               progress=False, tensorboard=False)

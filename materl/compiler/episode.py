@@ -1,0 +1,167 @@
+"""Episodes: one dataset row's rollout and everything computed about it, and how values move
+between one episode and a batch of them.
+
+Every node stores one value per episode (``Episode.store``). A node with several named outputs
+stores an ``Outputs`` mapping, read as ``%node`` (its first output) or ``%node.name``
+(``Episode.resolve``). A group or batch node reads its inputs collated over its episodes
+(``collate``: by the producing op's output kind) and its result is split back per episode
+(``split``), with the row count checked, so a wrong-sized output fails naming the op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from materl.compiler.spec import Kind
+from materl.errors import CompileError, ShapeError
+from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.types import Rollout
+
+
+class Outputs(dict):
+    """A node's named outputs (``{"advantages": ..., "returns": ...}``); the first is its value."""
+
+    @property
+    def default(self) -> Any:
+        return next(iter(self.values()))
+
+
+@dataclass
+class Episode:
+    index: int  # position in the step's batch
+    group: int  # dense group index (the prompt's position)
+    group_id: Hashable  # the row's "id" column, else its position
+    prompt: Any  # str, chat messages, or a dataset row's prompt
+    columns: dict[str, Any]  # the row's other columns (answer, ...)
+    seed: int
+    uid: str = ""  # unique in the process: the episode id tool servers see
+    values: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    error: Any = None  # a materl.compiler.failures.Failure once the episode failed
+    filtered: bool = False  # left out by a group filter (dynamic sampling)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.filtered
+
+    def store(self, name: str, value: Any) -> None:
+        self.values[name] = value
+
+    def resolve(self, ref: str) -> Any:
+        """``"node"``, ``"node.output"`` (a named output) or ``"node.field.field"`` (attributes)."""
+        head, *path = ref.split(".")
+        obj = self.values[head]
+        if isinstance(obj, Outputs):
+            if path and path[0] in obj:
+                obj, path = obj[path[0]], path[1:]
+            else:
+                obj = obj.default
+        for attr in path:
+            obj = obj[attr] if isinstance(obj, dict) else getattr(obj, attr)
+        return obj
+
+    def rollout(self, name: str) -> Rollout:
+        """The Rollout stored by node ``name``."""
+        return as_rollout(self.resolve(name))
+
+
+def as_rollout(x: Any) -> Rollout:
+    if isinstance(x, Rollout):
+        return x
+    if isinstance(x, (StepResult, EpisodeState)):
+        return x.rollout
+    raise CompileError(f"expected a rollout (from generate, generate_step, structure_rollout or env_rollout), "
+                       f"got {type(x).__name__}")
+
+
+class RolloutBatch(list):
+    """A list of Rollouts whose attributes project over its items (``batch.text`` -> list[str])."""
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        return collate([getattr(r, attr) for r in self])
+
+
+# ----------------------------------------------------------------------------- batching
+
+
+def collate(items: list[Any], kind: Kind | None = None) -> Any:
+    """Per-episode values as one batch value. With the producing output's ``kind``: rollouts ->
+    RolloutBatch, numbers -> (n,) float32, per-token values -> right-padded (n, T) float32.
+    Without (data columns, custom ops' outputs): the same by what the values are, else a list."""
+    if kind is Kind.ROLLOUT:
+        return RolloutBatch(as_rollout(x) for x in items)
+    if kind in (Kind.ROW, Kind.FLAG, Kind.TOKENS, Kind.SCORE):
+        return to_tensor(items)
+    if not items:
+        return items
+    if all(isinstance(x, (int, float, bool)) or (isinstance(x, Tensor) and x.dim() == 0) for x in items):
+        return torch.tensor([float(x) for x in items], dtype=torch.float32)
+    if all(isinstance(x, (Rollout, StepResult, EpisodeState)) for x in items):
+        return RolloutBatch(as_rollout(x) for x in items)
+    if all(isinstance(x, Tensor) and x.dim() == 1 for x in items):
+        return pad_rows([x.tolist() for x in items], dtype=items[0].dtype)
+    if all(isinstance(x, list) and x and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in x)
+           for x in items):
+        is_int = all(isinstance(v, int) for x in items for v in x)
+        return pad_rows(items, dtype=torch.long if is_int else torch.float32)
+    return list(items)
+
+
+def to_tensor(items: Sequence[Any], *, width: int | None = None) -> Tensor:
+    """Per-episode numbers (n,) or per-token rows, right-padded to ``width`` (default: the
+    longest), as float32. A row longer than ``width`` is an error, never truncated."""
+    if isinstance(items, Tensor):
+        t = items.float()
+    elif all(_scalar(x) for x in items):
+        t = torch.tensor([float(x) for x in items], dtype=torch.float32)
+    else:
+        rows = [x.tolist() if isinstance(x, Tensor) else list(x) if not _scalar(x) else [float(x)] for x in items]
+        t = pad_rows(rows, width=width)
+    if t.dim() == 2 and width is not None and t.shape[1] != width:
+        if t.shape[1] > width:
+            raise ShapeError(f"per-token values of width {t.shape[1]} for completions of at most {width} tokens")
+        t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
+    return t
+
+
+def _scalar(x: Any) -> bool:
+    return isinstance(x, (int, float, bool)) or (isinstance(x, Tensor) and x.dim() == 0)
+
+
+def pad_rows(rows: list[list], *, dtype=torch.float32, pad: float = 0, width: int | None = None) -> Tensor:
+    width = max([len(r) for r in rows] + [width or 0])
+    out = torch.full((len(rows), width), pad, dtype=dtype)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=dtype)
+    return out
+
+
+def split(value: Any, n: int, *, what: str) -> list[Any]:
+    """A group/batch result as one value per episode: n rows (a tensor's first dimension, a
+    list, or each entry of a dict of outputs), or a single number for all. ``what`` names the
+    op in the error raised for any other row count."""
+    if isinstance(value, dict):
+        parts = {k: split(v, n, what=f"{what} output {k!r}") for k, v in value.items()}
+        return [Outputs({k: parts[k][i] for k in parts}) for i in range(n)]
+    if _scalar(value) or value is None:
+        return [value] * n
+    if isinstance(value, Tensor):
+        rows = value.shape[0]
+    elif isinstance(value, (list, tuple)):
+        rows = len(value)
+    else:
+        raise ShapeError(f"{what} returned {type(value).__name__}; a group or batch op returns one value per "
+                         f"episode ({n} here): a list, a tensor with {n} rows, or a dict of those")
+    if rows != n:
+        shape = list(value.shape) if isinstance(value, Tensor) else f"{rows} items"
+        raise ShapeError(f"{what} returned {shape} for {n} episodes; expected {n} rows (one per episode)")
+    return [value[i] for i in range(n)]

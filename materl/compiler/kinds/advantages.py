@@ -1,0 +1,95 @@
+"""The advantages node: a registered estimator (``materl.ops.advantages``) over the rewards, with
+``%advantages`` and ``%advantages.returns`` as outputs, optionally with a KL penalty in the
+reward (verl's ``use_kl_in_reward``). GRPO and RLOO over per-completion rewards also have a Mojo
+kernel (``materl.kernels.group_advantages``); token-level rewards always take the torch op.
+
+Inputs: rewards, the scored rollout (its loss mask), then the estimator's extra tensors
+(a baseline or values), then with ``kl_coef > 0`` the reference and the policy log-probs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from materl.compiler.context import Run
+from materl.compiler.episode import Episode, as_rollout, pad_rows, to_tensor
+from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
+from materl.graph.node import Node
+from materl.ops._masked import place_on_last_trained
+from materl.ops.advantages import ADVANTAGES
+from materl.ops.kl import kl_penalty
+
+
+def _tensors(node: Node, inputs: list[list]) -> tuple[Tensor, Tensor, list[Tensor], dict]:
+    """(rewards, mask, extra tensors, estimator hyperparameters), the KL penalty applied."""
+    p = dict(node.params)
+    p.pop("estimator")
+    kl_coef, kl = p.pop("kl_coef", 0.0), p.pop("kl", "k1")
+    mask = pad_rows([as_rollout(x).loss_mask for x in inputs[1]])
+    width = mask.shape[1]
+    rewards = to_tensor(inputs[0], width=width)
+    n_extra = len(inputs) - 2 - (2 if kl_coef else 0)
+    extra = [to_tensor(v, width=width) for v in inputs[2:2 + n_extra]]
+    if kl_coef:
+        ref, old = (to_tensor(v, width=width) for v in inputs[2 + n_extra:])
+        if rewards.dim() == 1:
+            rewards = place_on_last_trained(rewards, mask)
+        rewards = rewards - kl_coef * kl_penalty(old, ref, estimator=kl) * mask
+    return rewards, mask, extra, p
+
+
+def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+    rewards, mask, extra, hp = _tensors(node, inputs)
+    adv, returns = ADVANTAGES.get(node.params["estimator"])(
+        rewards.double(), mask.double(), *[e.double() for e in extra], group_ids=[ep.group_id for ep in eps], **hp)
+    return {"advantages": adv.float(), "returns": returns.float()}
+
+
+def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+    """GRPO/RLOO in one kernel call over (B,) rewards; returns = advantages, as the op's."""
+    from materl.kernels.advantages import group_advantages
+
+    rewards, mask, _, hp = _tensors(node, inputs)
+    if rewards.dim() != 1:  # token-level rewards: the op's per-token returns-to-go
+        return advantages_torch(run, node, eps, inputs)
+    adv = group_advantages(rewards.double(), mask.double(), estimator=node.params["estimator"],
+                           group_ids=[ep.group_id for ep in eps], impl="mojo", **hp).float()
+    return {"advantages": adv, "returns": adv}
+
+
+def _mojo_when(node: Node, options) -> str | None:
+    from materl.kernels.advantages import ESTIMATORS
+    from materl.kernels.loader import load_or_reason
+
+    est = node.params["estimator"]
+    if est not in ESTIMATORS or node.params.get("kl_coef") or len(node.inputs) > 2:
+        return NOT_FOR
+    if set(node.params) - {"estimator", "scale", "eps"} or (est == "rloo" and node.params.get("scale", "group") != "group"):
+        return NOT_FOR
+    kernel, why = load_or_reason("advantages")
+    return None if kernel is not None else why.splitlines()[0]
+
+
+def _locality(node: Node) -> str:
+    est = ADVANTAGES.get(node.params["estimator"]) if node.params.get("estimator") else None
+    group = getattr(est, "statistics", "batch") == "group"  # estimators mark themselves (group_statistics)
+    return "group" if group and node.params.get("scale", "group") != "batch" else "batch"
+
+
+def _without_reference(node: Node) -> Node:
+    if node.params.get("kl_coef"):
+        from materl.errors import CompileError
+
+        raise CompileError(f"reference='none', but node {node.name!r} puts a KL penalty to the reference in the "
+                           f"reward (kl_coef={node.params['kl_coef']}); use another reference policy or kl_coef=0")
+    return node
+
+
+SPECS = (
+    OpSpec("advantages", Role.SCORE, (Output("advantages", Kind.TOKENS), Output("returns", Kind.TOKENS)), (
+        Impl("mojo", batch=advantages_mojo, when=_mojo_when, kernel=True),
+        Impl("torch", batch=advantages_torch),
+    ), locality=_locality, without_reference=_without_reference,
+        doc="per-token advantages and returns from rewards (a registered estimator)"),
+)
