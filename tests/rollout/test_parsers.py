@@ -9,10 +9,11 @@ json_parser = TOOL_PARSERS.get("json")
 
 
 def test_registry_names_and_stop_strings():
-    assert TOOL_PARSERS.names() == ["hermes", "json"]
+    assert TOOL_PARSERS.names() == ["harmony", "hermes", "json", "llama3_json", "mistral", "qwen3_coder"]
     assert stop_strings("hermes") == ("</tool_call>",)
     assert stop_strings("json") == ()
-    with pytest.raises(UnknownNameError, match="valid: hermes, json"):
+    assert stop_strings("harmony") == ("<|call|>",)
+    with pytest.raises(UnknownNameError, match="valid: harmony, hermes, json, llama3_json, mistral, qwen3_coder"):
         stop_strings("qwen")
 
 
