@@ -7,6 +7,7 @@ group/batch implementations see collated values over a list of episodes.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,7 +116,8 @@ async def generate_step_impl(rt, node: Node, ep: Episode, history, tool_response
     if turn >= rt.options.max_turns and not state.done:
         state = dc_replace(state, done=True)
     return await generate_step(agent.engine, agent.tokenizer, state, tool_responses,
-                               sampling(rt, node, ep, turn), parser=node.params.get("parser", "hermes"))
+                               sampling(rt, node, ep, turn), parser=node.params.get("parser", "auto"),
+                               max_tool_output_tokens=rt.options.max_tool_output_tokens)
 
 
 async def structure_rollout(rt, node: Node, ep: Episode, *parts) -> Rollout:
@@ -160,6 +162,33 @@ def _check_outputs(node: Node, out):
     return out
 
 
+_TOOL_EPISODES: dict[int, str] = {}  # id(episode) -> its tool episode id, until end_tool_episodes
+_TOOL_EPISODE_COUNT = itertools.count()
+
+
+def tool_episode_id(rt, ep: Episode) -> str:
+    """The episode id tool servers see: unique in this process (an evaluation rollout and the
+    next training step share step_count and episode indices)."""
+    key = id(ep)
+    if key not in _TOOL_EPISODES:
+        _TOOL_EPISODES[key] = f"{rt.step_count}-{ep.index}-{next(_TOOL_EPISODE_COUNT)}"
+    return _TOOL_EPISODES[key]
+
+
+async def end_tool_episodes(rt, ep: Episode) -> None:
+    """The episode ended (success, failure or deadline): its per-episode tool state is dropped
+    (``Toolbox.end_episode``). The scheduler calls this once per episode; it never raises."""
+    import anyio
+
+    episode_id = _TOOL_EPISODES.pop(id(ep), None)
+    if episode_id is None:
+        return
+    with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+        for toolbox in rt._toolboxes():
+            if hasattr(toolbox, "end_episode"):
+                await toolbox.end_episode(episode_id)
+
+
 async def call_tools(rt, node: Node, ep: Episode, step) -> list:
     import anyio
 
@@ -168,7 +197,7 @@ async def call_tools(rt, node: Node, ep: Episode, step) -> list:
     results: list = [None] * len(calls)
 
     async def one(i, call):
-        results[i] = await toolbox.execute(call, episode_id=f"{rt.step_count}-{ep.index}")
+        results[i] = await toolbox.execute(call, episode_id=tool_episode_id(rt, ep), timeout_s=rt.options.tool_timeout_s)
 
     async with anyio.create_task_group() as tg:
         for i, call in enumerate(calls):

@@ -19,7 +19,8 @@ class CompileOptions:
     max_turns: int = 4  # cap on generate steps per episode (env rollouts)
     max_concurrent_episodes: int = 256
     episode_timeout_s: float = 300.0
-    tool_timeout_s: float = 30.0
+    tool_timeout_s: float = 30.0  # per tool call, for servers/toolboxes that set no timeout_s of their own
+    max_tool_output_tokens: int | None = 2048  # tool output cut to this many tokens (marker added); None: no cap
     system_prompt: str | None = None
     # learner
     lr: float = 1e-6
@@ -46,6 +47,7 @@ class CompileOptions:
         "group_size": (1, None), "max_new_tokens": (1, None), "temperature": (0.0, None),
         "top_p": (0.0, 1.0), "top_k": (0, None), "max_turns": (1, None),
         "max_concurrent_episodes": (1, None), "episode_timeout_s": (0.0, None), "tool_timeout_s": (0.0, None),
+        "max_tool_output_tokens": (1, None),
         "lr": (0.0, None), "weight_decay": (0.0, None), "epochs": (1, None), "mini_batch_size": (1, None),
         "micro_batch_size": (1, None), "logprob_chunk_size": (1, None), "max_grad_norm": (0.0, None),
     }

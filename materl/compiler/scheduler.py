@@ -14,7 +14,7 @@ import traceback
 
 import anyio
 
-from materl.compiler.impls import IMPLS
+from materl.compiler.impls import IMPLS, end_tool_episodes
 from materl.compiler.values import Episode, resolve, split
 from materl.errors import StepTimeoutError
 
@@ -64,6 +64,8 @@ async def run_episode(rt, ep: Episode) -> None:
     except Exception as e:  # recorded on the episode, never raised out of the step
         ep.error = f"{type(e).__name__}: {e}"
         ep.metrics["traceback"] = traceback.format_exc(limit=4)
+    finally:
+        await end_tool_episodes(rt, ep)  # per-episode tool state ends with the episode
 
 
 async def rollout(rt, episodes: list[Episode]) -> None:

@@ -50,10 +50,11 @@ class _DropSDKParseNoise(logging.Filter):
     counts those lines and reports them once instead (``_Instance.garbage``)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Failed to parse JSONRPC message")
+        return not str(record.msg).startswith(("Failed to parse JSONRPC message", "Error parsing JSON response"))
 
 
 logging.getLogger("mcp.client.stdio").addFilter(_DropSDKParseNoise())
+logging.getLogger("mcp.client.streamable_http").addFilter(_DropSDKParseNoise())
 
 
 class _Instance:
@@ -69,12 +70,14 @@ class _Instance:
         self.consecutive_timeouts = 0
         self.garbage = 0  # unparseable messages the server sent
         self.killed = False  # stopped by kill() rather than dying on its own
+        self.closing: asyncio.Future | None = None  # set when a failed start is being stopped
         self._on_death = on_death
         self._client: Any = None
         self._stop = anyio.Event()
         self._up = anyio.Event()
         self._failure = ""
         self._task: asyncio.Task | None = None
+        self._abandoned: set[asyncio.Future] = set()
         self._errlog: Any = None
 
     def __repr__(self) -> str:
@@ -91,11 +94,22 @@ class _Instance:
         if self.spec.url is None:  # the server's stderr, kept for crash reports (append mode: shared offset)
             self._errlog = tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace", prefix="materl-mcp-")
         self._task = asyncio.get_running_loop().create_task(self._own(timeout_s), name=f"mcp:{self.name}")
-        await self._up.wait()
+        try:
+            with anyio.move_on_after(timeout_s):  # the handshake too (a frozen server never answers it)
+                await self._up.wait()
+        except BaseException:  # cancelled while starting: stop the half-started server too
+            self.kill("cancelled while starting")
+            self._task.cancel()
+            raise
+        if not self._up.is_set():
+            self._failure = f"it did not complete the MCP handshake within {timeout_s:g} s"
         if self._client is None:
-            await self.close()
-            raise ToolError(f"could not start tool server {self.name!r} ({self.spec.describe()}): {self._failure}"
-                            + self.stderr_note())
+            error = ToolError(f"could not start tool server {self.name!r} ({self.spec.describe()}): {self._failure}"
+                              + self.stderr_note())
+            # stopped in the background (a server stuck in its handshake can take seconds to go);
+            # whoever started it awaits ``closing`` before it closes
+            self.closing = asyncio.ensure_future(self.close())
+            raise error
         return self
 
     def kill(self, reason: str) -> None:
@@ -109,6 +123,8 @@ class _Instance:
     async def close(self) -> None:
         """Stop the server and wait (bounded) until its process is gone."""
         self.kill(self.death_reason or "closed")
+        if self._task is not None and not self._up.is_set():
+            self._task.cancel()  # still connecting: the SDK's shielded shutdown stops the process
         if self._task is not None:
             with anyio.move_on_after(15), contextlib.suppress(Exception):
                 await asyncio.shield(self._task)
@@ -176,26 +192,22 @@ class _Instance:
         if client is None or self.dead.is_set():
             return Answer(f"its server {self.name!r} is not running", died=True)
         self.in_flight += 1
-        outcome: list[Any] = []
-
-        async def send() -> None:
-            try:
-                outcome.append(await client.call_tool(tool, args, read_timeout_seconds=timeout_s))
-            except Exception as exc:  # classified below
-                outcome.append(exc)
-            tg.cancel_scope.cancel()
-
-        async def watch_death() -> None:
-            await self.dead.wait()
-            tg.cancel_scope.cancel()
-
+        # The SDK's request runs in a task of its own that is abandoned (cancelled, not awaited)
+        # at the deadline or when the instance dies: its clean-up (a courtesy cancel written to
+        # a transport that may be stuck, up to 5 s) must not hold the caller past its timeout.
+        # So the deadline is ours, not the SDK's read timeout.
+        sent = asyncio.ensure_future(client.call_tool(tool, args))
+        self._abandoned.add(sent)
+        sent.add_done_callback(_forget(self._abandoned))
+        death = asyncio.ensure_future(self.dead.wait())
         try:
-            with anyio.move_on_after(timeout_s + 0.5):  # the SDK's own timeout fires first
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(send)
-                    tg.start_soon(watch_death)
+            await asyncio.wait({sent, death}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self.in_flight -= 1
+            death.cancel()
+            if not sent.done():
+                sent.cancel()
+        outcome = [sent.exception() or sent.result()] if sent.done() and not sent.cancelled() else []
         if not outcome:
             if self.dead.is_set():
                 return Answer(self.death_reason, died=True)
@@ -204,7 +216,9 @@ class _Instance:
         if isinstance(result, MCPError):
             if result.code == REQUEST_TIMEOUT:
                 return self._timed_out(tool, timeout_s)
-            if result.code == CONNECTION_CLOSED:  # the SDK saw the end before our watcher did
+            if result.code == CONNECTION_CLOSED and result.message == "Connection closed":
+                # the SDK saw the end before our watcher did (servers may use the same code, -32000,
+                # for their own errors: the SDK's message tells them apart)
                 self._mark_dead("the server closed the connection")
                 return Answer(self.death_reason, died=True)
             self._answered()
@@ -238,6 +252,17 @@ class _Instance:
         except (OSError, ValueError):
             return ""
         return f"; server stderr ends with:\n{tail}" if tail else ""
+
+
+def _forget(pending: set) -> Any:
+    """A done-callback that drops a finished abandoned request and retrieves its exception."""
+
+    def done(fut: asyncio.Future) -> None:
+        pending.discard(fut)
+        if not fut.cancelled():
+            fut.exception()
+
+    return done
 
 
 # -- transport watch: know at once when a server's output ends --

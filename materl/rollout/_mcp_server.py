@@ -16,9 +16,11 @@ Recovery rules (``_Supervised.call``):
 2. When the server dies under a call (the process exits, the pipe or HTTP transport fails, or
    it is killed by rule 3), every call in flight on it is retried once on the new instance with
    the rest of its time, unless ``retry_on_crash=False`` (non-idempotent tools) or
-   ``restart=False``. A call whose retry dies too fails with kind ``"crash"``. So a crash
-   caused by one call costs the others one retry, and the culprit fails after at most two
-   restarts.
+   ``restart=False``. Retries run one at a time (beside new calls), so the call that caused
+   the crash crashes its retry alone: it fails with kind ``"crash"`` after at most two
+   restarts, and a crash caused by one call never fails another. (Two different calls that
+   each crash the server while both are in flight can still fail a third call whose retry
+   overlaps the second crash; ``isolation="episode"`` confines crashes to one episode.)
 3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
    kind in between) kill it; it is replaced like a crashed one (a server that hangs without
    closing its pipe is restarted instead of failing every later call).
@@ -60,7 +62,7 @@ class ServerPolicy:
     retry_on_crash: bool
     restart_after_timeouts: int  # 0: never restart for timeouts
     isolation: str  # "shared" | "episode"
-    pool_size: int
+    pool_size: int  # instances kept started and unused (a shared server's ready replacement, or new episodes')
     start_timeout_s: float = 60.0
     max_start_failures: int = 3
     backoff_s: float = 0.5
@@ -80,6 +82,8 @@ class _Pool:
         self.spec, self.name, self.policy, self.stats = spec, name, policy, stats
         self._idle: list[_Instance] = []
         self._filling: set[asyncio.Task] = set()
+        self._starting: set[_Instance] = set()  # being started (closed with the pool)
+        self._stopping: set[asyncio.Future] = set()  # failed starts being stopped
         self._count = 0
         self._closed = False
 
@@ -93,6 +97,11 @@ class _Pool:
             await inst.close()
         self.refill()
         return await self._start()
+
+    async def discard_idle(self) -> None:
+        """Drop the idle instances (an HTTP server's idle sessions died with the server)."""
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(i.close() for i in idle), return_exceptions=True)
 
     def put(self, inst: _Instance) -> None:
         """Return an instance no call has used (its server holds no state yet)."""
@@ -120,18 +129,26 @@ class _Pool:
         self._count += 1
         self.stats["starts"] += 1
         name = self.name if self.policy.isolation == "shared" and self._count == 1 else f"{self.name}#{self._count}"
+        inst = _Instance(self.spec, name)
+        self._starting.add(inst)
         try:
-            return await _Instance(self.spec, name).start(self.policy.start_timeout_s)
+            return await inst.start(self.policy.start_timeout_s)
         except ToolError:
             self.stats["start_failures"] += 1
+            if inst.closing is not None:
+                self._stopping.add(inst.closing)
+                inst.closing.add_done_callback(self._stopping.discard)
             raise
+        finally:
+            self._starting.discard(inst)
 
     async def close(self) -> None:
         self._closed = True
         for task in list(self._filling):
             task.cancel()
         idle, self._idle = self._idle, []
-        await asyncio.gather(*(i.close() for i in idle), *self._filling, return_exceptions=True)
+        await asyncio.gather(*(i.close() for i in [*idle, *self._starting]), *self._filling, *self._stopping,
+                             return_exceptions=True)
 
 
 class _Supervised:
@@ -141,6 +158,7 @@ class _Supervised:
         self.pool, self.name, self.stats = pool, name, stats
         self.policy = pool.policy
         self.slots = anyio.Semaphore(self.policy.max_concurrency)
+        self._suspects = anyio.Lock()
         self.current: _Instance | None = None
         self.down: str | None = None
         self.closing = False
@@ -154,37 +172,42 @@ class _Supervised:
 
     async def call(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
         async with self.slots:
-            budget, attempts = timeout_s, 0
-            while True:
-                inst = await self._live()
-                if inst is None:
-                    return Answer(self._unavailable(tool), "unavailable", attempts=max(attempts, 1))
-                attempts += 1
-                started = time.monotonic()
-                answer = await inst.request(tool, args, budget)
-                budget -= time.monotonic() - started
+            answer, budget = await self._attempt(tool, args, timeout_s, 1)
+            if not answer.died:
+                return answer
+            if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
+                self.stats["retries"] += 1
+                async with self._suspects:  # rule 2: retried calls go one at a time
+                    answer, budget = await self._attempt(tool, args, budget, 2)
                 if not answer.died:
-                    if answer.kind == "timeout":
-                        self.stats["timeouts"] += 1
-                        self._after_timeout(inst)
-                    else:
-                        self.crashes_in_a_row = 0
-                    return answer._replace(attempts=attempts)
-                if attempts == 1 and self.policy.retry_on_crash and self.policy.restart and budget > 0 \
-                        and not self.closing:
-                    self.stats["retries"] += 1
-                    continue
-                return Answer(self._crashed(tool, answer.text, attempts, budget), "crash", attempts=attempts)
+                    return answer
+            if budget <= 0:  # its time ran out as the server died (e.g. killed after timeouts)
+                return Answer(f"tool {tool!r} timed out after {timeout_s:g} s (its server {self.name!r} died "
+                              f"meanwhile: {answer.text})", "timeout", attempts=answer.attempts)
+            return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts)
 
-    def _crashed(self, tool: str, reason: str, attempts: int, budget: float) -> str:
+    async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
+        """One send on the live instance; returns the answer and the time left of the budget."""
+        inst = await self._live()
+        if inst is None:
+            return Answer(self._unavailable(tool), "unavailable", attempts=attempt), budget
+        started = time.monotonic()
+        answer = await inst.request(tool, args, budget)
+        budget -= time.monotonic() - started
+        if answer.kind == "timeout":
+            self.stats["timeouts"] += 1
+            self._after_timeout(inst)
+        elif not answer.died:
+            self.crashes_in_a_row = 0
+        return answer._replace(attempts=attempt), budget
+
+    def _crashed(self, tool: str, reason: str, attempts: int) -> str:
         if attempts > 1:
             why = "it died again on the retry after a restart"
         elif not self.policy.restart:
             why = "restart=False, so it stays down"
         elif not self.policy.retry_on_crash:
             why = "not retried (retry_on_crash=False); the server is being restarted"
-        elif budget <= 0:
-            why = "no time was left for a retry"
         else:
             why = "the toolbox is closing"
         return f"tool {tool!r} failed: its server {self.name!r} crashed during the call ({reason}); {why}"
@@ -231,6 +254,8 @@ class _Supervised:
 
     async def _replace(self) -> None:
         delay, failures = self.policy.crash_delay(self.crashes_in_a_row), 0
+        if self.pool.spec.url is not None and self._adopted:  # idle sessions of a server that just died
+            await self.pool.discard_idle()
         try:
             while not self.closing:
                 if delay:

@@ -34,7 +34,9 @@ Guarantees:
 - Output: each result is cut to ``max_output_bytes`` UTF-8 bytes with a visible marker, and
   invalid Unicode is replaced, before anything tokenizes it (``materl.rollout.tool_output``).
 - Per-episode state: ``isolation="episode"`` gives each episode id its own server instance,
-  taken from a pool of ``pool_size`` pre-started ones and stopped by ``end_episode``. With
+  taken from a pool of ``pool_size`` (default 4) pre-started ones and stopped by
+  ``end_episode``; a shared server keeps ``pool_size`` (default 1) started replacements, so a
+  crash costs no start-up wait. With
   ``isolation="shared"`` one process serves all episodes; a tool whose input schema has an
   ``episode_id`` property is then stateful by convention: the Toolbox hides that property from
   the model and fills it with ``call(..., episode_id=...)`` (``materl.tools.notebook``).
@@ -80,6 +82,9 @@ log = logging.getLogger(__name__)
 EPISODE_ID = "episode_id"
 DEFAULT_TIMEOUT_S = 30.0
 ISOLATIONS = ("shared", "episode")
+# Instances kept started and unused: a shared server's ready replacement (a crash costs no
+# start-up wait), or the next episodes' own instances.
+DEFAULT_POOL = {"shared": 1, "episode": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,7 +92,8 @@ class MCPServer:
     """One MCP server: ``command`` (stdio; a string is split like a shell would) or ``url``
     (streamable HTTP). Fields left ``None`` take the ``mcp_tools`` defaults: ``timeout_s``,
     ``max_concurrency`` (per instance), ``isolation`` ("shared" or "episode"), ``pool_size``
-    (pre-started instances for "episode"), ``retry_on_crash``, ``restart_after_timeouts``.
+    (pre-started instances), ``retry_on_crash``, ``restart_after_timeouts``. ``start_timeout_s``
+    bounds one start (connect and list tools).
     ``prefix`` names its tools ``prefix.tool``. A leading ``python``/``python3`` in ``command``
     runs as ``sys.executable``. A stdio server gets the SDK's safe default environment (PATH,
     HOME, ...) plus ``env``. (Not the SDK's server class ``mcp.server.mcpserver.MCPServer``:
@@ -105,6 +111,7 @@ class MCPServer:
     pool_size: int | None = None
     retry_on_crash: bool | None = None
     restart_after_timeouts: int | None = None
+    start_timeout_s: float = CONNECT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
@@ -116,6 +123,8 @@ class MCPServer:
             raise ConfigError(f"MCPServer url must start with http:// or https://, got {self.url!r}")
         _check_settings(self.timeout_s, self.max_concurrency, self.isolation, self.pool_size,
                         self.restart_after_timeouts, where=f"MCPServer {self.label!r}")
+        if not (isinstance(self.start_timeout_s, (int, float)) and self.start_timeout_s > 0):
+            raise ConfigError(f"MCPServer {self.label!r}: start_timeout_s must be > 0, got {self.start_timeout_s!r}")
 
     @property
     def argv(self) -> list[str]:
@@ -183,7 +192,7 @@ def _with_prefix(prefix: str, spec: Any) -> Source:
 
 
 def mcp_tools(*servers: Source | str | Sequence[str] | Mapping[str, Any], timeout_s: float | None = None,
-              max_concurrency: int = 8, restart: bool = True, isolation: str = "shared", pool_size: int = 4,
+              max_concurrency: int = 8, restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
               retry_on_crash: bool = True, restart_after_timeouts: int = 3,
               max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, separator: str = ".") -> Toolbox:
     """A ``Toolbox`` over the given servers; start it with ``async with`` or ``await start()``.
@@ -227,7 +236,8 @@ class Toolbox:
     """Tools of several servers behind one ``call``; see the module docstring."""
 
     def __init__(self, servers: Sequence[Source], *, timeout_s: float | None = None, max_concurrency: int = 8,
-                 restart: bool = True, isolation: str = "shared", pool_size: int = 4, retry_on_crash: bool = True,
+                 restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
+                 retry_on_crash: bool = True,
                  restart_after_timeouts: int = 3, max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
                  separator: str = "."):
         _check_settings(timeout_s, max_concurrency, isolation, pool_size, restart_after_timeouts, where="mcp_tools")
@@ -248,7 +258,10 @@ class Toolbox:
                 timeout_s=spec.timeout_s or timeout_s, max_concurrency=spec.max_concurrency or max_concurrency,
                 restart=restart, retry_on_crash=_pick(spec.retry_on_crash, retry_on_crash),
                 restart_after_timeouts=_pick(spec.restart_after_timeouts, restart_after_timeouts),
-                isolation=spec.isolation or isolation, pool_size=_pick(spec.pool_size, pool_size))
+                isolation=spec.isolation or isolation,
+                pool_size=_pick(spec.pool_size, _pick(pool_size, DEFAULT_POOL[spec.isolation or isolation]))
+                if restart or (spec.isolation or isolation) == "episode" else 0,
+                start_timeout_s=spec.start_timeout_s)
             self._backends.append(_MCPBackend(spec, name, policy))
         self._routes: dict[str, _Route] = {}
         self._state = "new"  # new -> started -> closed

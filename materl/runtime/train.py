@@ -150,7 +150,8 @@ def _recipe_from_config(cfg):
     if cfg.recipe == "grpo_tools":
         from materl.recipes.grpo_tools import grpo_tools_recipe
 
-        return grpo_tools_recipe(ml.mcp_tools(*(cfg.tools or ["python -m materl.tools.calculator"])))
+        return grpo_tools_recipe(ml.mcp_tools(*(cfg.tools or ["python -m materl.tools.calculator"]),
+                                              timeout_s=cfg.compile_options().tool_timeout_s))
     return materl.recipes.get(cfg.recipe)
 
 
