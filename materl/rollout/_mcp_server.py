@@ -95,7 +95,12 @@ class _Pool:
                 self.refill()
                 return inst
             await inst.close()
+        inst = await self._start()
         self.refill()
+        return inst
+
+    async def first(self) -> _Instance:
+        """The first instance (it lists the tools), started without filling the pool."""
         return await self._start()
 
     async def discard_idle(self) -> None:
@@ -323,13 +328,13 @@ class _MCPBackend:
         self._ending: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        first = await self.pool.get()
+        first = await self.pool.first()
         self.tools = first.tools
         if self.policy.isolation == "shared":
             self.shared = _Supervised(self.pool, self.name, self.stats, first)
-        else:
+        else:  # unused so far: the first episode gets it
             self.pool.put(first)
-            self.pool.refill()
+        self.pool.refill()
 
     async def call(self, tool: str, args: dict[str, Any], *, episode_id: str | None, timeout_s: float) -> Answer:
         handle = self.shared

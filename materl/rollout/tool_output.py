@@ -36,8 +36,9 @@ def cap_bytes(result: ToolResult, max_bytes: int) -> ToolResult:
     if len(data) <= max_bytes:
         return replace(result, content=text)
     kept = data[:max_bytes].decode("utf-8", "ignore")  # drops a cut multi-byte character
-    info = {"bytes": len(data), "kept_bytes": len(kept.encode("utf-8")), "tokens": None, "kept_tokens": None}
-    return replace(result, content=kept + marker(info["kept_bytes"], len(data), "bytes"), truncated=info)
+    total = (result.truncated or {}).get("bytes") or len(data)  # cut before: the original size
+    info = {"bytes": total, "kept_bytes": len(kept.encode("utf-8")), "tokens": None, "kept_tokens": None}
+    return replace(result, content=kept + marker(info["kept_bytes"], total, "bytes"), truncated=info)
 
 
 def cap_tokens(tokenizer: Any, result: ToolResult, max_tokens: int | None) -> ToolResult:
