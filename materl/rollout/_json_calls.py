@@ -229,18 +229,18 @@ def scan_json_calls(text: str, calls: list[ToolCall]) -> str:
     call. Each ``{`` is loaded at most once and a balanced object that loads is skipped whole,
     so the work is linear in ``len(text)`` (times the depth limit at most)."""
     match = matching_braces(text)
+    starts = {m.start() for m in CALL_START.finditer(text)}
     out: list[str] = []
     pos = scan = 0
-    while (start := text.find("{", scan)) >= 0:
-        is_call_start = CALL_START.match(text, start) is not None
-        end = match.get(start)
-        if end is None:
-            if is_call_start:
-                out.append(text[pos:start])
-                calls.append(bad_call(text[start:], len(calls), "the call is not valid JSON (it is never closed)"))
-                return "".join(out)
-            scan = start + 1
+    for start in sorted(starts.union(match)):  # only braces that close or open a call
+        if start < scan:
             continue
+        is_call_start = start in starts
+        end = match.get(start)
+        if end is None:  # a call start never closed: the call runs to the end of the text
+            out.append(text[pos:start])
+            calls.append(bad_call(text[start:], len(calls), "the call is not valid JSON (it is never closed)"))
+            return "".join(out)
         obj, why = load_json(text[start : end + 1]) if is_call_start or end - start < MAX_CALL_CHARS else (None, "")
         if why is None and looks_like_call(obj):
             out.append(text[pos:start])
@@ -252,8 +252,6 @@ def scan_json_calls(text: str, calls: list[ToolCall]) -> str:
             out.append(text[pos:start])
             calls.append(bad_call(text[start : end + 1], len(calls), why))
             pos = scan = end + 1
-        else:
-            scan = start + 1
     out.append(text[pos:])
     return "".join(out)
 

@@ -159,11 +159,8 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
                 results: list[ToolResult] = ()) -> EpisodeState:
     """Close the assistant turn and add ``new_messages`` (tool results, or an environment's
     observation as a user turn) as one untrained step; only the new glue text is tokenized."""
-    last = state.last_step
-    suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
-    eos_text = tokenizer.decode(last.token_ids[-1:]) if last and last.token_ids else ""
-    closing = suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
     before = render(tokenizer, state.messages, tools=state.tools, add_generation_prompt=False)
+    closing = _closing(tokenizer, state, before)
     messages = state.messages + list(new_messages)
     after = render(tokenizer, messages, tools=state.tools, add_generation_prompt=True)
     if not after.startswith(before):
@@ -175,6 +172,26 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
                 error="; ".join(r.content for r in results if r.is_error) or None,
                 metadata=_tool_metadata(results) if results else {"roles": [m["role"] for m in new_messages]})
     return replace(state, ids=state.ids + ids, messages=messages, steps=state.steps + [step])
+
+
+def _closing(tokenizer, state: EpisodeState, before: str) -> str:
+    """The template text that follows the model's last sampled token in its own turn.
+
+    Where the template renders the turn ending with the text the model sampled (its last
+    characters, special tokens included: ``...</tool_call>``, ``...<|call|>``), the closing is
+    what follows it in ``before``; otherwise it is the end of a plain assistant turn (e.g.
+    ``<|im_end|>\n``) minus the end-of-turn token the model already sampled."""
+    last = state.last_step
+    if not last or not last.token_ids:
+        return _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
+    tail = tokenizer.decode(last.token_ids[-8:], skip_special_tokens=False)[-24:]
+    turn_start = len(render(tokenizer, state.messages[:-1], tools=state.tools, add_generation_prompt=False))
+    at = before.rfind(tail) if tail.strip() else -1
+    if at >= turn_start:  # found inside the rendering of the model's own turn
+        return before[at + len(tail):]
+    suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
+    eos_text = tokenizer.decode(last.token_ids[-1:])
+    return suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
 
 
 def _tool_metadata(results: list[ToolResult]) -> dict[str, Any]:
