@@ -43,6 +43,7 @@ class Answer(NamedTuple):
     kind: str | None = None  # None, "tool", "timeout", "protocol" (see the module docstring)
     died: bool = False  # the connection died under the call
     attempts: int = 1
+    server_s: float = 0.0  # time spent on a live server (its attempts), not waiting for one
 
 
 class _DropSDKParseNoise(logging.Filter):

@@ -24,11 +24,12 @@ Recovery rules (``_Supervised.call``):
 3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
    kind in between) kill it; it is replaced like a crashed one (a server that hangs without
    closing its pipe is restarted instead of failing every later call).
-4. A dead server is replaced at once for the first two crashes in a row (a crash and its
-   culprit's retry), then after an exponential backoff (0.5 s doubling to 8 s); any answered
-   call resets the count. A replacement that fails to start is retried with the same backoff;
-   ``max_start_failures`` failed starts in a row mark the server down (calls get
-   ``"unavailable"``) until the Toolbox is restarted.
+4. A server that dies under calls is replaced at once (rule 2 bounds what a bad call costs:
+   two restarts). A server that dies on its own, with no call in flight, is replaced at once
+   the first time and then after an exponential backoff (0.5 s doubling to 8 s) while it keeps
+   dying that way; an answered call resets the count. A replacement that fails to start is
+   retried with the same backoff; ``max_start_failures`` failed starts in a row mark the
+   server down (calls get ``"unavailable"``) until the Toolbox is restarted.
 """
 
 from __future__ import annotations
@@ -68,11 +69,11 @@ class ServerPolicy:
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
 
-    def crash_delay(self, crashes_in_a_row: int) -> float:
-        """Rule 4: no delay for the first two crashes in a row, then exponential backoff."""
-        if crashes_in_a_row <= 2:
+    def crash_delay(self, idle_deaths_in_a_row: int) -> float:
+        """Rule 4: no delay for the first death with no call in flight, then exponential backoff."""
+        if idle_deaths_in_a_row <= 1:
             return 0.0
-        return min(self.backoff_s * 2 ** (crashes_in_a_row - 3), self.max_backoff_s)
+        return min(self.backoff_s * 2 ** (idle_deaths_in_a_row - 2), self.max_backoff_s)
 
 
 class _Pool:
@@ -167,7 +168,7 @@ class _Supervised:
         self.current: _Instance | None = None
         self.down: str | None = None
         self.closing = False
-        self.crashes_in_a_row = 0
+        self.idle_deaths_in_a_row = 0
         self._adopted = 0
         self._ready = anyio.Event()
         self._replacing: asyncio.Task | None = None
@@ -179,17 +180,19 @@ class _Supervised:
         async with self.slots:
             answer, budget = await self._attempt(tool, args, timeout_s, 1)
             if not answer.died:
-                return answer
+                return answer._replace(server_s=timeout_s - budget)
             if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
                 self.stats["retries"] += 1
                 async with self._suspects:  # rule 2: retried calls go one at a time
                     answer, budget = await self._attempt(tool, args, budget, 2)
                 if not answer.died:
-                    return answer
+                    return answer._replace(server_s=timeout_s - budget)
+            used = timeout_s - budget
             if budget <= 0:  # its time ran out as the server died (e.g. killed after timeouts)
                 return Answer(f"tool {tool!r} timed out after {timeout_s:g} s (its server {self.name!r} died "
-                              f"meanwhile: {answer.text})", "timeout", attempts=answer.attempts)
-            return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts)
+                              f"meanwhile: {answer.text})", "timeout", attempts=answer.attempts, server_s=used)
+            return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts,
+                          server_s=used)
 
     async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
         """One send on the live instance; returns the answer and the time left of the budget."""
@@ -203,7 +206,7 @@ class _Supervised:
             self.stats["timeouts"] += 1
             self._after_timeout(inst)
         elif not answer.died:
-            self.crashes_in_a_row = 0
+            self.idle_deaths_in_a_row = 0
         return answer._replace(attempts=attempt), budget
 
     def _crashed(self, tool: str, reason: str, attempts: int) -> str:
@@ -246,7 +249,7 @@ class _Supervised:
             return
         if not inst.killed:  # a kill for timeouts is counted as a timeout restart (rule 3)
             self.stats["crashes"] += 1
-            self.crashes_in_a_row += 1
+            self.idle_deaths_in_a_row = 0 if inst.in_flight else self.idle_deaths_in_a_row + 1
         if not self.policy.restart:
             self.down = f"{inst.death_reason} (restart=False)"
             return
@@ -258,7 +261,7 @@ class _Supervised:
             self._replacing = asyncio.get_running_loop().create_task(self._replace(), name=f"mcp-restart:{self.name}")
 
     async def _replace(self) -> None:
-        delay, failures = self.policy.crash_delay(self.crashes_in_a_row), 0
+        delay, failures = self.policy.crash_delay(self.idle_deaths_in_a_row), 0
         if self.pool.spec.url is not None and self._adopted:  # idle sessions of a server that just died
             await self.pool.discard_idle()
         try:

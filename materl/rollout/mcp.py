@@ -27,10 +27,11 @@ Guarantees:
   the caller's ``call(timeout_s=)`` (a compiled step passes its ``tool_timeout_s``), else 30 s.
   It bounds the time the call spends on a live server, a retry included; waiting for a free
   slot (``max_concurrency`` per server) or a restarting server is not counted.
-- Recovery (``materl.rollout._mcp_server``): a server that dies is restarted (at once for two
-  crashes in a row, then with exponential backoff) and the calls that were in flight on it are
-  retried once (``retry_on_crash=False`` turns that off for non-idempotent tools);
-  ``restart_after_timeouts`` calls in a row that time out restart it too.
+- Recovery (``materl.rollout._mcp_server``): a server that dies is restarted (at once when it
+  died under calls; with exponential backoff while it keeps dying on its own) and the calls
+  that were in flight on it are retried once, one at a time (``retry_on_crash=False`` turns
+  that off for non-idempotent tools); ``restart_after_timeouts`` calls in a row that time out
+  restart it too.
 - Output: each result is cut to ``max_output_bytes`` UTF-8 bytes with a visible marker, and
   invalid Unicode is replaced, before anything tokenizes it (``materl.rollout.tool_output``).
 - Per-episode state: ``isolation="episode"`` gives each episode id its own server instance,
@@ -69,6 +70,7 @@ import anyio
 from materl.errors import ConfigError, ToolError
 from materl.rollout._json_calls import clean_value
 from materl.rollout._mcp_connection import START_TIMEOUT_S as CONNECT_TIMEOUT_S  # noqa: F401 (re-export)
+from materl.rollout._mcp_connection import Answer
 from materl.rollout._mcp_server import ServerPolicy, _MCPBackend
 from materl.rollout.parsers import error_result
 from materl.rollout.python_tools import PythonTools, _PythonBackend
@@ -357,14 +359,14 @@ class Toolbox:
         """Call tool ``name``; always returns a ``ToolResult`` (errors as ``is_error=True`` with
         ``error_kind``). ``timeout_s``: the limit when neither the server nor the toolbox set one."""
         start = time.perf_counter()
-        attempts = 1
         try:
-            content, kind, attempts = await self._call(name, arguments, episode_id, timeout_s)
+            answer = await self._call(name, arguments, episode_id, timeout_s)
         except Exception as exc:  # a bug here must not end the episode; cancellation still propagates
             log.exception("Toolbox.call(%r) failed", name)
-            content, kind = f"tool {name!r} failed: {type(exc).__name__}: {exc}", "tool"
-        result = ToolResult(name=name, content=content, is_error=kind is not None, latency_s=time.perf_counter() - start,
-                            call_id=call_id, error_kind=kind, attempts=attempts)
+            answer = Answer(f"tool {name!r} failed: {type(exc).__name__}: {exc}", "tool")
+        result = ToolResult(name=name, content=answer.text, is_error=answer.kind is not None,
+                            latency_s=time.perf_counter() - start, call_id=call_id, error_kind=answer.kind,
+                            attempts=answer.attempts, server_s=answer.server_s)
         return cap_bytes(result, self.max_output_bytes)
 
     async def execute(self, call: ToolCall, *, episode_id: str | None = None,
@@ -374,31 +376,30 @@ class Toolbox:
             return error_result(call)
         return await self.call(call.name, call.arguments, episode_id=episode_id, call_id=call.id, timeout_s=timeout_s)
 
-    async def _call(self, name: str, arguments: Any, episode_id: str | None,
-                    timeout_s: float | None) -> tuple[str, str | None, int]:
+    async def _call(self, name: str, arguments: Any, episode_id: str | None, timeout_s: float | None) -> Answer:
         if self._state != "started":
-            return f"tool {name!r} cannot run: the toolbox is {self._state}", "unavailable", 1
+            return Answer(f"tool {name!r} cannot run: the toolbox is {self._state}", "unavailable")
         route = self._routes.get(name) if isinstance(name, str) else None
         if route is None:
-            return _unknown_tool(name, self.names()), "invalid_call", 1
+            return Answer(_unknown_tool(name, self.names()), "invalid_call")
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
-            return f"arguments for tool {name!r} must be a JSON object, got {type(arguments).__name__}", "invalid_call", 1
+            return Answer(f"arguments for tool {name!r} must be a JSON object, got {type(arguments).__name__}",
+                          "invalid_call")
         stateful = self.is_stateful(name)
         args = clean_value({k: v for k, v in arguments.items() if k != EPISODE_ID or not stateful})
         problem = _check_arguments(name, _model_schema(route.tool.input_schema), args)
         if problem:
-            return problem, "invalid_call", 1
+            return Answer(problem, "invalid_call")
         if stateful:
             if episode_id is None:
-                return (f"tool {name!r} keeps per-episode state and needs an episode id; the caller must pass "
-                        f"Toolbox.call(..., episode_id=...)"), "invalid_call", 1
+                return Answer(f"tool {name!r} keeps per-episode state and needs an episode id; the caller must pass "
+                              f"Toolbox.call(..., episode_id=...)", "invalid_call")
             args[EPISODE_ID] = str(episode_id)
         limit = self._timeout(route.backend, timeout_s)
-        answer = await route.backend.call(route.tool.name, args, episode_id=None if episode_id is None
-                                          else str(episode_id), timeout_s=limit)
-        return answer.text, answer.kind, answer.attempts
+        return await route.backend.call(route.tool.name, args, episode_id=None if episode_id is None
+                                        else str(episode_id), timeout_s=limit)
 
     def _timeout(self, backend: Any, call_timeout_s: float | None) -> float:
         """The server's own limit, else the toolbox's, else the caller's, else 30 s."""

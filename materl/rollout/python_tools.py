@@ -36,6 +36,7 @@ import asyncio
 import inspect
 import json
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,22 +145,28 @@ class _PythonBackend:
             return Answer(f"invalid arguments for tool {tool!r}: {_validation_text(exc)}", "invalid_call")
         lock = self._locks.setdefault(episode_id, anyio.Lock())
         async with lock:
-            with anyio.move_on_after(timeout_s) as scope:
-                try:
-                    obj = self._objects.get(episode_id)
-                    if obj is None:
-                        obj = self._objects[episode_id] = await _build(self.spec.factory)
-                        self.stats["starts"] += 1
-                    method = getattr(obj, tool)
-                    if inspect.iscoroutinefunction(method):
-                        value = await method(**values)
-                    else:
-                        value = await anyio.to_thread.run_sync(lambda: method(**values), abandon_on_cancel=True)
-                except Exception as exc:  # a tool error the model can read
-                    return Answer(f"tool {tool!r} failed: {type(exc).__name__}: {exc}", "tool")
-            if scope.cancelled_caught:
-                self.stats["timeouts"] += 1
-                return Answer(f"tool {tool!r} timed out after {timeout_s:g} s", "timeout")
+            started = time.monotonic()
+            answer = await self._run(tool, episode_id, values, timeout_s)
+            return answer._replace(server_s=time.monotonic() - started)
+
+    async def _run(self, tool: str, episode_id: str, values: dict[str, Any], timeout_s: float) -> Answer:
+        """Build the episode's object on its first call, then run the method within the timeout."""
+        with anyio.move_on_after(timeout_s) as scope:
+            try:
+                obj = self._objects.get(episode_id)
+                if obj is None:
+                    obj = self._objects[episode_id] = await _build(self.spec.factory)
+                    self.stats["starts"] += 1
+                method = getattr(obj, tool)
+                if inspect.iscoroutinefunction(method):
+                    value = await method(**values)
+                else:
+                    value = await anyio.to_thread.run_sync(lambda: method(**values), abandon_on_cancel=True)
+            except Exception as exc:  # a tool error the model can read
+                return Answer(f"tool {tool!r} failed: {type(exc).__name__}: {exc}", "tool")
+        if scope.cancelled_caught:
+            self.stats["timeouts"] += 1
+            return Answer(f"tool {tool!r} timed out after {timeout_s:g} s", "timeout")
         return Answer(value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str))
 
     def end_episode(self, episode_id: str) -> None:

@@ -40,6 +40,8 @@ class ToolResult:
 
     ``error_kind`` says why an error result failed (see ``ErrorKind``; None when it did not);
     ``attempts`` is how many times the call was sent (2 after a retry on a restarted server);
+    ``latency_s`` is the whole wait, ``server_s`` the part spent on a live server (what
+    ``timeout_s`` bounds; waiting for a free slot or a restarting server is the rest);
     ``truncated`` is set when the output was cut to fit the byte or token budget:
     ``{"bytes": <original UTF-8 bytes>, "kept_bytes": ..., "tokens": <original tokens or None>,
     "kept_tokens": ...}``."""
@@ -52,6 +54,7 @@ class ToolResult:
     error_kind: ErrorKind | None = None
     attempts: int = 1
     truncated: dict[str, Any] | None = None
+    server_s: float = 0.0
 
 
 @dataclass
