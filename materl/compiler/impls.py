@@ -197,7 +197,8 @@ async def call_tools(rt, node: Node, ep: Episode, step) -> list:
     results: list = [None] * len(calls)
 
     async def one(i, call):
-        results[i] = await toolbox.execute(call, episode_id=tool_episode_id(rt, ep), timeout_s=rt.options.tool_timeout_s)
+        results[i] = await toolbox.execute(call, episode_id=tool_episode_id(rt, ep),
+                                           timeout_s=rt.options.tool_timeout_s)
 
     async with anyio.create_task_group() as tg:
         for i, call in enumerate(calls):

@@ -137,3 +137,12 @@ async def test_max_tool_output_tokens_bounds_the_tool_turn():
 def test_max_tool_output_tokens_is_validated(bad):
     with pytest.raises(ml.ConfigError, match="max_tool_output_tokens"):
         CompileOptions(max_tool_output_tokens=bad)
+
+
+def test_a_config_builds_its_toolbox_with_the_configured_tool_timeout():
+    from materl.runtime.config import validate_config
+    from materl.runtime.train import _recipe_from_config
+
+    cfg = validate_config({"recipe": "grpo_tools", "compile": {"tool_timeout_s": 7.5, "max_tool_output_tokens": 99}})
+    toolbox = next(n.params["tools"] for n in _recipe_from_config(cfg).nodes if n.op == "call_tools")
+    assert toolbox.timeout_s == 7.5 and cfg.compile_options().max_tool_output_tokens == 99
