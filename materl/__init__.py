@@ -32,7 +32,7 @@ _EXPORTS = {
     ],
     "materl.compiler.compiled": ["Compiled", "compile"],
     "materl.agent": ["Agent"],
-    "materl.rollout.mcp": ["MCPServer", "Toolbox", "mcp_tools"],
+    "materl.rollout.mcp": ["MCPServer", "PythonTools", "Toolbox", "mcp_tools"],
     "materl.rollout.env": ["Environment"],
     "materl.runtime.train": ["train", "train_rlhf"],
     "materl.runtime.evaluate": ["evaluate"],

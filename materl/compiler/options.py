@@ -30,7 +30,9 @@ class CompileOptions(BaseModel):
     max_turns: int = Field(4, ge=1, description="cap on model turns per episode")
     max_concurrent_episodes: int = Field(256, ge=1)
     episode_timeout_s: float = Field(300.0, gt=0.0)
-    tool_timeout_s: float = Field(30.0, gt=0.0, description="per tool call")
+    tool_timeout_s: float = Field(30.0, gt=0.0, description="per tool call, for servers and toolboxes that set none")
+    max_tool_output_tokens: int | None = Field(2048, ge=1, description="tool output cut to this many tokens, "
+                                                                       "with a marker; null: no cap")
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0,
                                        description="a step in which more episodes fail stops the run")
     system_prompt: str | None = None

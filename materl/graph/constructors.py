@@ -33,11 +33,13 @@ def generate(agent, prompts, *, name: str | None = None, max_new_tokens: int | N
 
 
 def generate_step(agent, history, tool_responses=None, *, name: str | None = None, tools=None,
-                  parser: str = "hermes", max_new_tokens: int | None = None,
+                  parser: str = "auto", max_new_tokens: int | None = None,
                   temperature: float | None = None, system: str | None = None) -> Value:
     """Continue an episode: append ``tool_responses`` to ``history`` (the prompts for the first
     turn, else a previous step's ``.history``) and generate until end of turn or a complete tool
-    call. The result has ``.tool_requests``, ``.history``, ``.text``, ``.token_ids``, ``.logprobs``."""
+    call. ``parser``: the tool-call format (``"auto"``: the one the model's chat template declares;
+    see ``materl.rollout.parsers``). The result has ``.tool_requests``, ``.history``, ``.text``,
+    ``.token_ids``, ``.logprobs``."""
     b = active_builder("ml.generate_step")
     a = b.agent(agent, "ml.generate_step")
     inputs = [a, history] + ([tool_responses] if tool_responses is not None else [])

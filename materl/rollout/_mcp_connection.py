@@ -1,19 +1,28 @@
-"""The connection machinery behind ``materl.rollout.mcp.Toolbox``: one ``_Connection`` per
-server, whose long-lived owner task enters and exits the SDK client's context managers (their
-anyio cancel scopes must be left in the task that entered them), restarts a dropped server, and
-lends the live client to calls made from other tasks."""
+"""One live MCP server connection (a stdio process, or an HTTP session): ``_Instance``.
+
+An instance is started once and never revived: when it dies (the process exits, the pipe or
+HTTP transport fails, or the supervisor kills it) its ``dead`` event is set, every call in
+flight on it returns at once with ``Answer(died=True)``, and the supervisor
+(``materl.rollout._mcp_server``) replaces it with a new instance. A long-lived owner task
+enters and exits the SDK client's context managers (their anyio cancel scopes must be left in
+the task that entered them); calls are plain requests on the client from the callers' tasks.
+
+Each call's answer is classified here (``Answer.kind``): ``None`` (a result), ``"tool"`` (an
+MCP ``isError`` result or a JSON-RPC error answer), ``"timeout"``, ``"protocol"`` (an answer
+that is not a valid MCP result, e.g. garbage on the wire), or ``died=True`` (the supervisor
+turns that into a retry or a ``"crash"``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
 import tempfile
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
@@ -24,43 +33,99 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("materl.rollout.mcp")
 
-CONNECT_TIMEOUT_S = 60.0
-MAX_START_FAILURES = 3
+START_TIMEOUT_S = 60.0
 
 
-class _Connection:
-    """One server: a long-lived owner task holds the SDK client; calls borrow it."""
+class Answer(NamedTuple):
+    """What one attempt of a call produced (text the model sees, and why it failed, if it did)."""
 
-    def __init__(self, spec: MCPServer, name: str, *, timeout_s: float, max_concurrency: int, restart: bool):
+    text: str
+    kind: str | None = None  # None, "tool", "timeout", "protocol" (see the module docstring)
+    died: bool = False  # the connection died under the call
+    attempts: int = 1
+    server_s: float = 0.0  # time spent on a live server (its attempts), not waiting for one
+
+
+class _DropSDKParseNoise(logging.Filter):
+    """The SDK logs a full traceback for every unparseable line a server prints; an instance
+    counts those lines and reports them once instead (``_Instance.garbage``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(("Failed to parse JSONRPC message", "Error parsing JSON response"))
+
+
+logging.getLogger("mcp.client.stdio").addFilter(_DropSDKParseNoise())
+logging.getLogger("mcp.client.streamable_http").addFilter(_DropSDKParseNoise())
+
+
+class _Instance:
+    """One connection to a server; see the module docstring."""
+
+    def __init__(self, spec: MCPServer, name: str, *, on_death: Any = None):
         self.spec, self.name = spec, name
-        self.timeout_s, self.max_concurrency, self.restart = timeout_s, max_concurrency, restart
         self.tools: list[Any] = []
-        self.restarts = 0
+        self.dead = anyio.Event()
+        self.death_reason = ""
+        self.in_flight = 0
+        self.answered = 0  # calls that got an answer (of any kind) from this instance
+        self.consecutive_timeouts = 0
+        self.garbage = 0  # unparseable messages the server sent
+        self.killed = False  # stopped by kill() rather than dying on its own
+        self.closing: asyncio.Future | None = None  # set when a failed start is being stopped
+        self._on_death = on_death
         self._client: Any = None
-        self._failure: str | None = None
-        self._closing = False
+        self._stop = anyio.Event()
+        self._up = anyio.Event()
+        self._failure = ""
         self._task: asyncio.Task | None = None
-        self._up: anyio.Event | None = None  # set while connected, or once given up / closing
-        self._lost: anyio.Event | None = None  # set when the connection drops or on close
-        self._slots: anyio.Semaphore | None = None
+        self._abandoned: set[asyncio.Future] = set()
         self._errlog: Any = None
 
-    async def start(self) -> None:
-        self._up, self._slots = anyio.Event(), anyio.Semaphore(self.max_concurrency)
+    def __repr__(self) -> str:
+        state = "dead" if self.dead.is_set() else "up" if self._client is not None else "starting"
+        return f"<instance {self.name} {state}>"
+
+    @property
+    def alive(self) -> bool:
+        return self._client is not None and not self.dead.is_set()
+
+    # -- lifecycle --
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> _Instance:
+        """Connect and list the tools; raises ``ToolError`` (with the server's stderr) on failure."""
         if self.spec.url is None:  # the server's stderr, kept for crash reports (append mode: shared offset)
             self._errlog = tempfile.TemporaryFile("a+", encoding="utf-8", errors="replace", prefix="materl-mcp-")
-        self._task = asyncio.get_running_loop().create_task(self._own(), name=f"mcp-server:{self.name}")
-        await self._up.wait()
+        self._task = asyncio.get_running_loop().create_task(self._own(timeout_s), name=f"mcp:{self.name}")
+        try:
+            with anyio.move_on_after(timeout_s):  # the handshake too (a frozen server never answers it)
+                await self._up.wait()
+        except BaseException:  # cancelled while starting: stop the half-started server too
+            self.kill("cancelled while starting")
+            self._task.cancel()
+            raise
+        if not self._up.is_set():
+            self._failure = f"it did not complete the MCP handshake within {timeout_s:g} s"
         if self._client is None:
-            raise ToolError(f"could not start tool server {self.name!r} ({self.spec.describe()}): {self._failure}"
-                            + self._stderr_note())
+            error = ToolError(f"could not start tool server {self.name!r} ({self.spec.describe()}): {self._failure}"
+                              + self.stderr_note())
+            # stopped in the background (a server stuck in its handshake can take seconds to go);
+            # whoever started it awaits ``closing`` before it closes
+            self.closing = asyncio.ensure_future(self.close())
+            raise error
+        return self
+
+    def kill(self, reason: str) -> None:
+        """Declare the instance dead now (calls in flight return ``died``) and stop it in the
+        background."""
+        if not self.dead.is_set():
+            self.killed = True
+        self._mark_dead(reason)
+        self._stop.set()
 
     async def close(self) -> None:
-        self._closing = True
-        if self._lost is not None:
-            self._on_lost(self._lost)
-        if self._up is not None:
-            self._up.set()
+        """Stop the server and wait (bounded) until its process is gone."""
+        self.kill(self.death_reason or "closed")
+        if self._task is not None and not self._up.is_set():
+            self._task.cancel()  # still connecting: the SDK's shielded shutdown stops the process
         if self._task is not None:
             with anyio.move_on_after(15), contextlib.suppress(Exception):
                 await asyncio.shield(self._task)
@@ -69,100 +134,115 @@ class _Connection:
         if self._errlog is not None:
             self._errlog.close()
 
-    async def _own(self) -> None:
+    async def _own(self, timeout_s: float) -> None:
         from mcp import Client
 
-        ever_up, failures = False, 0
-        while not self._closing:
-            self._lost = lost = anyio.Event()
-            connected, error = False, "the connection closed"
-            try:
-                async with Client(self._transport(functools.partial(self._on_lost, lost)), cache=None) as client:
-                    with anyio.fail_after(CONNECT_TIMEOUT_S):
-                        self.tools = await _list_all(client)
-                    connected = ever_up = True
-                    self._client = client
-                    self._up.set()
-                    await lost.wait()
-            except Exception as exc:  # an ExceptionGroup from the transport's task group, OSError, ...
-                error = _describe(exc)
-            finally:
-                self._on_lost(lost)
-            if self._closing:
-                break
-            failures = 0 if connected else failures + 1
-            if not ever_up or not self.restart or failures >= MAX_START_FAILURES:
-                why = "restart=False" if ever_up and not self.restart else f"{failures} failed start(s)"
-                self._failure = f"{error} ({why})"
-                log.warning("tool server %r is down: %s%s", self.name, self._failure, self._stderr_note())
+        try:
+            transport = _watch(self._transport(), lambda: self._mark_dead("the server closed the connection"))
+            async with Client(transport, cache=None, message_handler=self._on_message) as client:
+                with anyio.fail_after(timeout_s):
+                    self.tools = await _list_all(client)
+                self._client = client
                 self._up.set()
-                return
-            log.warning("tool server %r lost its connection (%s); restarting%s", self.name, error,
-                        self._stderr_note())
-            self.restarts += connected
-            await anyio.sleep(0 if connected else min(0.5 * 2**failures, 5.0))
+                await self._stop.wait()
+        except Exception as exc:  # an ExceptionGroup from the transport's task group, OSError, timeout...
+            self._failure = _describe(exc) if not isinstance(exc, TimeoutError) else \
+                f"it did not list its tools within {timeout_s:g} s"
+            self._mark_dead(f"the connection failed: {self._failure}")
+        finally:
+            self._mark_dead(self.death_reason or "the connection closed")
+            self._client = None
+            self._up.set()
 
-    def _on_lost(self, lost: anyio.Event) -> None:
-        """The connection of generation ``lost`` ended: later calls wait for the next one.
-        Runs synchronously in the reader, so no call is sent on a dead connection."""
-        if lost is not self._lost:
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead.is_set():
             return
-        lost.set()
-        self._client = None
-        if self._up.is_set() and not self._closing:
-            self._up = anyio.Event()
+        self.death_reason = reason
+        self.dead.set()
+        if self._on_death is not None and self._client is not None:
+            self._on_death(self)
 
-    def _transport(self, on_lost: Any) -> Any:
+    async def _on_message(self, message: Any) -> None:
+        if isinstance(message, Exception):
+            self.garbage += 1
+            if self.garbage == 1:
+                log.warning("tool server %r sent a message that is not valid JSON-RPC: %s", self.name,
+                            _describe(message)[:200])
+
+    def _transport(self) -> Any:
         if self.spec.url is not None:
             from mcp.client.streamable_http import streamable_http_client
 
-            return _watch(streamable_http_client(self.spec.url), on_lost)
+            return streamable_http_client(self.spec.url)
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
 
         argv = self.spec.argv
         params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(self.spec.env or {}),
-                                       cwd=self.spec.cwd)
-        return _watch(stdio_client(params, errlog=self._errlog), on_lost)
+                                       cwd=self.spec.cwd, encoding_error_handler="replace")
+        return stdio_client(params, errlog=self._errlog)
 
-    async def _connected(self) -> Any:
-        while True:
-            if self._failure is not None or self._closing:
-                return None
-            if self._client is not None:
-                return self._client
-            await self._up.wait()
-
-    async def call(self, name: str, args: dict[str, Any]) -> tuple[str, bool]:
+    # -- calls --
+    async def request(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
+        """One attempt: send ``tools/call`` and wait at most ``timeout_s`` for its answer, or for
+        this instance to die (then ``died=True`` at once)."""
         from mcp.shared.exceptions import MCPError
-        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+        from mcp.types import CONNECTION_CLOSED, INVALID_REQUEST, PARSE_ERROR, REQUEST_TIMEOUT
 
-        timed_out = f"tool {name!r} timed out after {self.timeout_s:g} s"
-        async with self._slots:
-            client = None
-            with anyio.move_on_after(CONNECT_TIMEOUT_S):  # a restart in progress is not the tool's time
-                client = await self._connected()
-            if client is None:
-                why = self._failure or ("the toolbox is closing" if self._closing
-                                        else f"it did not come back within {CONNECT_TIMEOUT_S:g} s")
-                return f"tool {name!r} is unavailable: its server {self.name!r} is down ({why})", True
-            with anyio.move_on_after(self.timeout_s):
-                try:
-                    result = await client.call_tool(name, args, read_timeout_seconds=self.timeout_s)
-                except MCPError as exc:
-                    if exc.code == REQUEST_TIMEOUT:
-                        return timed_out, True
-                    if exc.code == CONNECTION_CLOSED:
-                        then = "it is being restarted" if self.restart else "restart=False, so it stays down"
-                        return (f"tool {name!r} failed: its server {self.name!r} crashed or dropped the connection "
-                                f"during the call; {then}"), True
-                    return f"tool {name!r} failed: {exc.message}", True
-                except Exception as exc:  # an invalid result, a transport error, ...
-                    return f"tool {name!r} failed: {_describe(exc)}", True
-                return _result_text(result), bool(result.is_error)
-        return timed_out, True
+        client = self._client
+        if client is None or self.dead.is_set():
+            return Answer(f"its server {self.name!r} is not running", died=True)
+        self.in_flight += 1
+        # The SDK's request runs in a task of its own that is abandoned (cancelled, not awaited)
+        # at the deadline or when the instance dies: its clean-up (a courtesy cancel written to
+        # a transport that may be stuck, up to 5 s) must not hold the caller past its timeout.
+        # So the deadline is ours, not the SDK's read timeout.
+        sent = asyncio.ensure_future(client.call_tool(tool, args))
+        self._abandoned.add(sent)
+        sent.add_done_callback(_forget(self._abandoned))
+        death = asyncio.ensure_future(self.dead.wait())
+        try:
+            await asyncio.wait({sent, death}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.in_flight -= 1
+            death.cancel()
+            if not sent.done():
+                sent.cancel()
+        outcome = [sent.exception() or sent.result()] if sent.done() and not sent.cancelled() else []
+        if not outcome:
+            if self.dead.is_set():
+                return Answer(self.death_reason, died=True)
+            return self._timed_out(tool, timeout_s)
+        result = outcome[0]
+        if isinstance(result, MCPError):
+            if result.code == REQUEST_TIMEOUT:
+                return self._timed_out(tool, timeout_s)
+            if result.code == CONNECTION_CLOSED and result.message == "Connection closed":
+                # the SDK saw the end before our watcher did (servers may use the same code, -32000,
+                # for their own errors: the SDK's message tells them apart)
+                self._mark_dead("the server closed the connection")
+                return Answer(self.death_reason, died=True)
+            self._answered()
+            kind = "protocol" if result.code in (PARSE_ERROR, INVALID_REQUEST) else "tool"
+            return Answer(f"tool {tool!r} failed: {result.message}", kind)
+        if isinstance(result, Exception):
+            if self.dead.is_set():
+                return Answer(self.death_reason, died=True)
+            self._answered()  # e.g. a result that does not validate as CallToolResult
+            return Answer(f"tool {tool!r} failed: its server sent an invalid answer ({_describe(result)[:300]})",
+                          "protocol")
+        self._answered()
+        return Answer(result_text(result), "tool" if result.is_error else None)
 
-    def _stderr_note(self) -> str:
+    def _answered(self) -> None:
+        self.answered += 1
+        self.consecutive_timeouts = 0
+
+    def _timed_out(self, tool: str, timeout_s: float) -> Answer:
+        self.consecutive_timeouts += 1
+        return Answer(f"tool {tool!r} timed out after {timeout_s:g} s", "timeout")
+
+    def stderr_note(self) -> str:
         if self._errlog is None or self._errlog.closed:
             return ""
         try:
@@ -173,6 +253,17 @@ class _Connection:
         except (OSError, ValueError):
             return ""
         return f"; server stderr ends with:\n{tail}" if tail else ""
+
+
+def _forget(pending: set) -> Any:
+    """A done-callback that drops a finished abandoned request and retrieves its exception."""
+
+    def done(fut: asyncio.Future) -> None:
+        pending.discard(fut)
+        if not fut.cancelled():
+            fut.exception()
+
+    return done
 
 
 # -- transport watch: know at once when a server's output ends --
@@ -230,7 +321,7 @@ async def _list_all(client: Any) -> list[Any]:
     return tools
 
 
-def _result_text(result: Any) -> str:
+def result_text(result: Any) -> str:
     """The text the model sees: text blocks joined, other blocks as short placeholders."""
     parts: list[str] = []
     for block in result.content:
@@ -257,3 +348,4 @@ def _describe(exc: BaseException) -> str:
         exc = exc.exceptions[0]
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+

@@ -17,11 +17,16 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import anyio
+
 from materl.engines.base import SamplingParams
 from materl.errors import EngineError
+from materl.rollout.parsers import choose_format, error_result, parse_safely
+from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes, cap_tokens
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
 
 _SENTINEL = "\x00materl-sentinel\x00"
+PARSE_INLINE_CHARS = 16_384  # longer generated turns are parsed in a worker thread
 
 
 def prompt_messages(prompt: Any, system: str | None = None) -> list[dict]:
@@ -139,8 +144,13 @@ def _as_results(responses: Any, calls: list[ToolCall]) -> list[ToolResult]:
     return out
 
 
-def append_tool_results(tokenizer, state: EpisodeState, results: list[ToolResult]) -> EpisodeState:
-    """Close the assistant turn and add the tool turn(s): only the new glue text is tokenized."""
+def append_tool_results(tokenizer, state: EpisodeState, results: list[ToolResult], *,
+                        max_output_tokens: int | None = None) -> EpisodeState:
+    """Close the assistant turn and add the tool turn(s): only the new glue text is tokenized.
+
+    Each result's content is cut to the byte cap (``tool_output.DEFAULT_MAX_OUTPUT_BYTES``),
+    then to ``max_output_tokens`` tokens (None: no token cap), with a visible marker."""
+    results = [cap_tokens(tokenizer, cap_bytes(r, DEFAULT_MAX_OUTPUT_BYTES), max_output_tokens) for r in results]
     messages = [{"role": "tool", "name": r.name, "content": r.content, "tool_call_id": r.call_id} for r in results]
     return append_turn(tokenizer, state, messages, results=results)
 
@@ -149,11 +159,8 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
                 results: list[ToolResult] = ()) -> EpisodeState:
     """Close the assistant turn and add ``new_messages`` (tool results, or an environment's
     observation as a user turn) as one untrained step; only the new glue text is tokenized."""
-    last = state.last_step
-    suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
-    eos_text = tokenizer.decode(last.token_ids[-1:]) if last and last.token_ids else ""
-    closing = suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
     before = render(tokenizer, state.messages, tools=state.tools, add_generation_prompt=False)
+    closing = _closing(tokenizer, state, before)
     messages = state.messages + list(new_messages)
     after = render(tokenizer, messages, tools=state.tools, add_generation_prompt=True)
     if not after.startswith(before):
@@ -163,7 +170,7 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
     step = Step("tool", ids, [], text=closing + after[len(before):], tool_results=list(results),
                 latency_s=sum(r.latency_s for r in results),
                 error="; ".join(r.content for r in results if r.is_error) or None,
-                metadata={"tools": [r.name for r in results]} if results else {"roles": [m["role"] for m in new_messages]})
+                metadata=_tool_metadata(results) if results else {"roles": [m["role"] for m in new_messages]})
     return replace(state, ids=state.ids + ids, messages=messages, steps=state.steps + [step])
 
 
@@ -178,10 +185,65 @@ async def sample_turn(engine, tokenizer, ids: list[int], params: SamplingParams)
                 latency_s=time.perf_counter() - t0)
 
 
-async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
-                        *, parser: str = "hermes") -> StepResult:
-    from materl.rollout.parsers import TOOL_PARSERS, error_result, stop_strings
+def _closing(tokenizer, state: EpisodeState, before: str) -> str:
+    """The template text that follows the model's last sampled token in its own turn.
 
+    Where the template renders the turn ending with the text the model sampled (its last
+    characters, special tokens included: ``...</tool_call>``, ``...<|call|>``), the closing is
+    what follows it in ``before``; otherwise it is the end of a plain assistant turn (e.g.
+    ``<|im_end|>\n``) minus the end-of-turn token the model already sampled."""
+    last = state.last_step
+    if not last or not last.token_ids:
+        return _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
+    tail = tokenizer.decode(last.token_ids[-8:], skip_special_tokens=False)[-24:]
+    turn_start = len(render(tokenizer, state.messages[:-1], tools=state.tools, add_generation_prompt=False))
+    at = before.rfind(tail) if tail.strip() else -1
+    if at >= turn_start:  # found inside the rendering of the model's own turn
+        return before[at + len(tail):]
+    suffix = _assistant_suffix(tokenizer, state.messages[:-1], state.tools)
+    eos_text = tokenizer.decode(last.token_ids[-1:])
+    return suffix[len(eos_text):] if eos_text and suffix.startswith(eos_text) else suffix
+
+
+def _tool_metadata(results: list[ToolResult]) -> dict[str, Any]:
+    """A tool step's metadata: tool names, each failed call's error kind, each cut output's sizes."""
+    meta: dict[str, Any] = {"tools": [r.name for r in results]}
+    errors = {r.call_id or str(i): r.error_kind or "tool" for i, r in enumerate(results) if r.is_error}
+    if errors:
+        meta["errors"] = errors
+    cut = [{"call_id": r.call_id, **r.truncated} for r in results if r.truncated]
+    if cut:
+        meta["truncated"] = cut
+    return meta
+
+
+def _assistant_message(text: str, parsed) -> dict[str, Any]:
+    """The chat message of a generate step; well-formed calls also as OpenAI ``tool_calls`` (some
+    templates, e.g. Mistral's, check that tool turns follow them). Only template glue is ever
+    tokenized from messages, so this never changes the step's sampled ids."""
+    calls = [c for c in parsed.calls if c.error is None]
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": parsed.content,
+            "tool_calls": [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                           for c in calls]}
+
+
+async def _parse(fmt, tokenizer, state: EpisodeState, token_ids: list[int], text: str):
+    """Parse a generated turn with ``fmt``: the text decoded with special tokens when the format
+    needs them; a long message is parsed in a worker thread, off the event loop."""
+    raw = tokenizer.decode(token_ids, skip_special_tokens=False) if fmt.special_tokens else text
+    prefix = tokenizer.decode(state.ids[-512:], skip_special_tokens=False) if fmt.uses_prefix else ""
+    if len(raw) <= PARSE_INLINE_CHARS:
+        return parse_safely(fmt, raw, state.tools, prefix=prefix)
+    return await anyio.to_thread.run_sync(lambda: parse_safely(fmt, raw, state.tools, prefix=prefix))
+
+
+async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
+                        *, parser: str = "auto", max_tool_output_tokens: int | None = None) -> StepResult:
+    """One model turn: append the answers to the previous turn's calls (exact tokens), generate,
+    and parse the calls with ``parser`` (``"auto"``: the format the chat template declares; see
+    ``parsers.choose_format``). Model output never raises here: malformed calls are error calls."""
     if state.done:
         return StepResult(state, None)
     if state.steps:
@@ -190,13 +252,16 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
             return StepResult(replace(state, done=True), None)
         results = _as_results(tool_responses, [c for c in calls if c.error is None])
         results = [error_result(c) for c in calls if c.error is not None] + results
-        state = append_tool_results(tokenizer, state, results)
-    params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(stop_strings(parser)))
+        state = append_tool_results(tokenizer, state, results, max_output_tokens=max_tool_output_tokens)
+    fmt = choose_format(tokenizer, parser)
+    params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(fmt.stop_strings))
     sampled = await sample_turn(engine, tokenizer, state.ids, params)
-    parsed = TOOL_PARSERS.get(parser)(sampled.text)
-    step = replace(sampled, tool_calls=parsed.calls, finish_reason="tool_call" if parsed.calls else sampled.finish_reason,
-                   error="; ".join(c.error for c in parsed.calls if c.error) or None)
-    messages = state.messages + [{"role": "assistant", "content": step.text}]
+    parsed = await _parse(fmt, tokenizer, state, sampled.token_ids, sampled.text)
+    step = replace(sampled, tool_calls=parsed.calls,
+                   finish_reason="tool_call" if parsed.calls else sampled.finish_reason,
+                   error="; ".join(c.error for c in parsed.calls if c.error) or None,
+                   metadata={"tool_format": fmt.name} if parsed.calls else {})
+    messages = state.messages + [_assistant_message(step.text, parsed)]
     done = not parsed.calls or sampled.finish_reason == "length"
     state = replace(state, ids=state.ids + step.token_ids, messages=messages, steps=state.steps + [step], done=done)
     return StepResult(state, step)

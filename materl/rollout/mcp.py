@@ -1,4 +1,5 @@
-"""MCP tool servers as a ``Toolbox`` an episode can call without ever raising.
+"""MCP tool servers (and in-process Python tools) as a ``Toolbox`` an episode can call without
+ever raising.
 
     async with mcp_tools("python -m materl.tools.calculator",        # stdio: a command line
                          "http://127.0.0.1:8765/mcp",                # streamable HTTP: a URL
@@ -6,34 +7,46 @@
                                    timeout_s=5, max_concurrency=2)) as toolbox:
         tokenizer.apply_chat_template(messages, tools=toolbox.tools)  # OpenAI function specs
         result = await toolbox.call("calculate", {"expression": "2**10"}, episode_id="ep-3")
+        await toolbox.end_episode("ep-3")                             # per-episode state is dropped
 
-Any MCP server plugs in by its command line or URL alone; materl needs nothing from it but
-the protocol (``mcp`` SDK ``Client`` over ``stdio_client`` / ``streamable_http_client``).
+    mcp_tools({"db": "npx some-sqlite-mcp", "calc": "python -m materl.tools.calculator"},
+              isolation="episode")          # tools db.query, calc.calculate; one db per episode
 
-``Toolbox.call`` never raises (cancellation aside). An unknown tool name, arguments that are
-not an object or miss a required key, a tool that fails (MCP ``isError``), a call past its
-``timeout_s``, and a stdio server that crashes all come back as
-``ToolResult(is_error=True, content=<text the model sees>)`` with the latency. A server whose
-connection drops is restarted (``restart=True``) and later calls go to the new process; a
-server that fails to come back three times in a row is marked down and its calls return an
-error. Each server has its own concurrency limit (a semaphore). ``timeout_s`` bounds the
-request itself: waiting for a free slot or for a restarting server is not counted (the latter
-is bounded by ``CONNECT_TIMEOUT_S``); ``ToolResult.latency_s`` is the whole wait.
+Any MCP server plugs in by its command line or URL alone; materl needs nothing from it but the
+protocol (``mcp`` SDK ``Client`` over ``stdio_client`` / ``streamable_http_client``). A
+``PythonTools(factory)`` (``materl.rollout.python_tools``) plugs in the same way.
 
-Per-episode state (convention): a tool whose input schema has a property named
-``episode_id`` is stateful. The Toolbox removes that property from the schema the model sees
-and fills it with ``call(..., episode_id=...)`` (overwriting anything the model wrote there),
-so one server process can keep one state per episode; ``materl.tools.notebook`` is the
-example. Calling such a tool without ``episode_id`` is an error result.
+Guarantees:
 
-Each server connection lives in its own long-lived asyncio task, which enters and exits the
-SDK's context managers (their anyio cancel scopes must be left in the task that entered
-them); calls are plain requests on that connection from the caller's task. A Toolbox belongs
-to the event loop that started it.
+- ``Toolbox.call`` never raises (cancellation aside). Every failure comes back as
+  ``ToolResult(is_error=True, content=<text the model sees>, error_kind=...)`` on that call:
+  ``invalid_call`` (unknown tool, arguments that are not an object or miss a required key),
+  ``tool`` (the tool reported an error), ``timeout``, ``crash``, ``protocol`` (an answer that
+  is not valid MCP), ``unavailable`` (server down, toolbox closed).
+- Timeouts: a call's limit is its server's ``timeout_s``, else ``mcp_tools(timeout_s=)``, else
+  the caller's ``call(timeout_s=)`` (a compiled step passes its ``tool_timeout_s``), else 30 s.
+  It bounds the time the call spends on a live server, a retry included; waiting for a free
+  slot (``max_concurrency`` per server) or a restarting server is not counted.
+- Recovery (``materl.rollout._mcp_server``): a server that dies is restarted (at once when it
+  died under calls; with exponential backoff while it keeps dying on its own) and the calls
+  that were in flight on it are retried once, one at a time (``retry_on_crash=False`` turns
+  that off for non-idempotent tools); ``restart_after_timeouts`` calls in a row that time out
+  restart it too.
+- Output: each result is cut to ``max_output_bytes`` UTF-8 bytes with a visible marker, and
+  invalid Unicode is replaced, before anything tokenizes it (``materl.rollout.tool_output``).
+- Per-episode state: ``isolation="episode"`` gives each episode id its own server instance,
+  taken from a pool of ``pool_size`` (default 4) pre-started ones and stopped by
+  ``end_episode``; a shared server keeps ``pool_size`` (default 1) started replacements, so a
+  crash costs no start-up wait. With
+  ``isolation="shared"`` one process serves all episodes; a tool whose input schema has an
+  ``episode_id`` property is then stateful by convention: the Toolbox hides that property from
+  the model and fills it with ``call(..., episode_id=...)`` (``materl.tools.notebook``).
+- Names: a server's tools may be prefixed (``MCPServer(prefix="db")`` or the dict form) as
+  ``db.query``; two servers offering the same unprefixed name is an error at start.
 
-verl counterpart: ``verl.tools.mcp_base_tool.MCPBaseTool`` with ``verl.tools.utils.mcp_clients``
-(a client pool built from a JSON config, one tool class per tool). TRL: ``GRPOTrainer(tools=...)``
-takes plain Python functions, not MCP servers.
+A Toolbox belongs to the event loop that started it. verl counterpart:
+``verl.tools.mcp_base_tool.MCPBaseTool`` with ``verl.tools.utils.mcp_clients``; TRL:
+``GRPOTrainer(tools=...)`` (plain functions) and ``environment_factory``.
 """
 
 from __future__ import annotations
@@ -46,41 +59,61 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
 
 from materl.errors import ConfigError, ToolError
-from materl.rollout._mcp_connection import CONNECT_TIMEOUT_S, _Connection  # noqa: F401 (re-export)
+from materl.rollout._json_calls import clean_value
+from materl.rollout._mcp_connection import START_TIMEOUT_S as CONNECT_TIMEOUT_S  # noqa: F401 (re-export)
+from materl.rollout._mcp_connection import Answer
+from materl.rollout._mcp_server import ServerPolicy, _MCPBackend
 from materl.rollout.parsers import error_result
+from materl.rollout.python_tools import PythonTools, _PythonBackend
+from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes
 from materl.rollout.types import ToolCall, ToolResult
 
-__all__ = ["EPISODE_ID", "MCPServer", "Toolbox", "list_tools", "mcp_tools"]
+__all__ = ["EPISODE_ID", "MCPServer", "PythonTools", "Toolbox", "list_tools", "mcp_tools"]
 
 log = logging.getLogger(__name__)
 
 EPISODE_ID = "episode_id"
+DEFAULT_TIMEOUT_S = 30.0
+ISOLATIONS = ("shared", "episode")
+# Instances kept started and unused: a shared server's ready replacement (a crash costs no
+# start-up wait), or the next episodes' own instances.
+DEFAULT_POOL = {"shared": 1, "episode": 4}
 
 
 @dataclass(frozen=True, kw_only=True)
 class MCPServer:
     """One MCP server: ``command`` (stdio; a string is split like a shell would) or ``url``
-    (streamable HTTP). ``timeout_s`` and ``max_concurrency`` override the Toolbox defaults.
-    A leading ``python``/``python3`` in ``command`` runs as ``sys.executable``. A stdio
-    server gets the SDK's safe default environment (PATH, HOME, ...) plus ``env``.
-    (Not the SDK's server class ``mcp.server.mcpserver.MCPServer``: this one only describes
-    how to reach a server.)"""
+    (streamable HTTP). Fields left ``None`` take the ``mcp_tools`` defaults: ``timeout_s``,
+    ``max_concurrency`` (per instance), ``isolation`` ("shared" or "episode"), ``pool_size``
+    (pre-started instances), ``retry_on_crash``, ``restart_after_timeouts``. ``start_timeout_s``
+    bounds one start (connect and list tools).
+    ``prefix`` names its tools ``prefix.tool``. A leading ``python``/``python3`` in ``command``
+    runs as ``sys.executable``. A stdio server gets the SDK's safe default environment (PATH,
+    HOME, ...) plus ``env``. (Not the SDK's server class ``mcp.server.mcpserver.MCPServer``:
+    this one only describes how to reach a server.)"""
 
     command: str | Sequence[str] | None = None
     url: str | None = None
     name: str = ""
+    prefix: str | None = None
     env: Mapping[str, str] | None = None
     cwd: str | None = None
     max_concurrency: int | None = None
     timeout_s: float | None = None
+    isolation: str | None = None
+    pool_size: int | None = None
+    retry_on_crash: bool | None = None
+    restart_after_timeouts: int | None = None
+    start_timeout_s: float = CONNECT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if (self.command is None) == (self.url is None):
@@ -90,10 +123,10 @@ class MCPServer:
             raise ConfigError(f"MCPServer command is empty: {self.command!r}")
         if self.url is not None and urlsplit(self.url).scheme not in ("http", "https"):
             raise ConfigError(f"MCPServer url must start with http:// or https://, got {self.url!r}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ConfigError(f"max_concurrency must be >= 1, got {self.max_concurrency!r}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        _check_settings(self.timeout_s, self.max_concurrency, self.isolation, self.pool_size,
+                        self.restart_after_timeouts, where=f"MCPServer {self.label!r}")
+        if not (isinstance(self.start_timeout_s, (int, float)) and self.start_timeout_s > 0):
+            raise ConfigError(f"MCPServer {self.label!r}: start_timeout_s must be > 0, got {self.start_timeout_s!r}")
 
     @property
     def argv(self) -> list[str]:
@@ -114,16 +147,35 @@ class MCPServer:
         argv = self.argv
         if "-m" in argv[:-1]:
             return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
-        script = next((a for a in argv if a.endswith(".py")), argv[0])
+        script = next((a for a in argv if a.endswith(".py")), argv[0] if argv else "server")
         return os.path.splitext(os.path.basename(script))[0]
 
     def describe(self) -> str:
         return self.url if self.url is not None else shlex.join(self.argv)
 
 
-def as_server(spec: MCPServer | str | Sequence[str]) -> MCPServer:
-    """A server spec from a command line (str or list), a URL, or an ``MCPServer``."""
-    if isinstance(spec, MCPServer):
+def _check_settings(timeout_s: Any, max_concurrency: Any, isolation: Any, pool_size: Any,
+                    restart_after_timeouts: Any, *, where: str) -> None:
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise ConfigError(f"{where}: timeout_s must be > 0, got {timeout_s!r}")
+    if max_concurrency is not None and not (isinstance(max_concurrency, int) and max_concurrency >= 1):
+        raise ConfigError(f"{where}: max_concurrency must be an integer >= 1, got {max_concurrency!r}")
+    if isolation is not None and isolation not in ISOLATIONS:
+        raise ConfigError(f"{where}: isolation={isolation!r}; accepted: {', '.join(ISOLATIONS)}")
+    if pool_size is not None and not (isinstance(pool_size, int) and pool_size >= 0):
+        raise ConfigError(f"{where}: pool_size must be an integer >= 0, got {pool_size!r}")
+    if restart_after_timeouts is not None and not (isinstance(restart_after_timeouts, int)
+                                                   and restart_after_timeouts >= 0):
+        raise ConfigError(f"{where}: restart_after_timeouts must be an integer >= 0 (0: never), "
+                          f"got {restart_after_timeouts!r}")
+
+
+Source = MCPServer | PythonTools
+
+
+def as_server(spec: Source | str | Sequence[str]) -> Source:
+    """A server spec from a command line (str or list), a URL, an ``MCPServer`` or ``PythonTools``."""
+    if isinstance(spec, (MCPServer, PythonTools)):
         return spec
     if isinstance(spec, str):
         if spec.strip().startswith(("http://", "https://")):
@@ -131,25 +183,41 @@ def as_server(spec: MCPServer | str | Sequence[str]) -> MCPServer:
         return MCPServer(command=spec)
     if isinstance(spec, Sequence) and all(isinstance(a, str) for a in spec):
         return MCPServer(command=list(spec))
-    raise ConfigError(f"a tool server is a command line (str or list of str), an http(s) URL or an MCPServer; "
-                      f"got {type(spec).__name__}: {spec!r}")
+    raise ConfigError(f"a tool server is a command line (str or list of str), an http(s) URL, an MCPServer or "
+                      f"PythonTools; got {type(spec).__name__}: {spec!r}")
 
 
-def mcp_tools(*servers: MCPServer | str | Sequence[str], timeout_s: float = 30.0, max_concurrency: int = 8,
-              restart: bool = True) -> Toolbox:
-    """A ``Toolbox`` over the given MCP servers; start it with ``async with`` or ``await start()``.
+def _with_prefix(prefix: str, spec: Any) -> Source:
+    if not isinstance(prefix, str) or not prefix or any(c in prefix for c in " \t\n"):
+        raise ConfigError(f"a tool-name prefix must be a non-empty string without spaces, got {prefix!r}")
+    return replace(as_server(spec), prefix=prefix)
 
-    timeout_s: per-call limit (seconds) for servers that set none. max_concurrency: concurrent
-    calls per server. restart: restart a stdio server (reconnect an HTTP one) whose connection
-    drops. verl: ``tools_config_file`` + ``MCPClientManager``; here a server is its command line.
+
+def mcp_tools(*servers: Source | str | Sequence[str] | Mapping[str, Any], timeout_s: float | None = None,
+              max_concurrency: int = 8, restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
+              retry_on_crash: bool = True, restart_after_timeouts: int = 3,
+              max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, separator: str = ".") -> Toolbox:
+    """A ``Toolbox`` over the given servers; start it with ``async with`` or ``await start()``.
+
+    A dict ``{prefix: server}`` prefixes each server's tools (``db.query``). The keywords are
+    defaults for servers that set none; see the module docstring for what each guarantees.
+    verl: ``tools_config_file`` + ``MCPClientManager``; here a server is its command line.
     """
-    if not servers:
-        raise ConfigError("mcp_tools() needs at least one server: a command line, a URL or an MCPServer")
-    return Toolbox([as_server(s) for s in servers], timeout_s=timeout_s, max_concurrency=max_concurrency,
-                   restart=restart)
+    specs: list[Source] = []
+    for s in servers:
+        if isinstance(s, Mapping):
+            specs.extend(_with_prefix(p, v) for p, v in s.items())
+        else:
+            specs.append(as_server(s))
+    if not specs:
+        raise ConfigError("mcp_tools() needs at least one server: a command line, a URL, an MCPServer or "
+                          "PythonTools")
+    return Toolbox(specs, timeout_s=timeout_s, max_concurrency=max_concurrency, restart=restart, isolation=isolation,
+                   pool_size=pool_size, retry_on_crash=retry_on_crash, restart_after_timeouts=restart_after_timeouts,
+                   max_output_bytes=max_output_bytes, separator=separator)
 
 
-def list_tools(server: MCPServer | str | Sequence[str], *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+def list_tools(server: Source | str | Sequence[str], *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
     """Synchronous: start ``server``, return its tools as the model sees them, stop it (CLI)."""
 
     async def _go() -> list[dict[str, Any]]:
@@ -159,29 +227,60 @@ def list_tools(server: MCPServer | str | Sequence[str], *, timeout_s: float = 30
     return anyio.run(_go)
 
 
-class Toolbox:
-    """Tools of several MCP servers behind one ``call``; see the module docstring."""
+@dataclass(frozen=True)
+class _Route:
+    backend: Any  # _MCPBackend | _PythonBackend
+    tool: Any  # the server's tool (name, description, input_schema)
+    public: str
 
-    def __init__(self, servers: Sequence[MCPServer], *, timeout_s: float = 30.0, max_concurrency: int = 8,
-                 restart: bool = True):
-        if not timeout_s > 0:
-            raise ConfigError(f"timeout_s must be > 0, got {timeout_s!r}")
-        if max_concurrency < 1:
-            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency!r}")
-        labels: dict[str, int] = {}
-        self._conns: list[_Connection] = []
-        for spec in servers:
-            label = spec.label
-            labels[label] = labels.get(label, 0) + 1
-            name = label if labels[label] == 1 else f"{label}-{labels[label]}"
-            self._conns.append(_Connection(spec, name, timeout_s=spec.timeout_s or timeout_s,
-                                           max_concurrency=spec.max_concurrency or max_concurrency,
-                                           restart=restart))
-        self._routes: dict[str, _Connection] = {}
+
+class Toolbox:
+    """Tools of several servers behind one ``call``; see the module docstring."""
+
+    def __init__(self, servers: Sequence[Source], *, timeout_s: float | None = None, max_concurrency: int = 8,
+                 restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
+                 retry_on_crash: bool = True,
+                 restart_after_timeouts: int = 3, max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
+                 separator: str = "."):
+        _check_settings(timeout_s, max_concurrency, isolation, pool_size, restart_after_timeouts, where="mcp_tools")
+        if not (isinstance(max_output_bytes, int) and max_output_bytes >= 256):
+            raise ConfigError(f"mcp_tools: max_output_bytes must be an integer >= 256, got {max_output_bytes!r}")
+        self.timeout_s, self.max_output_bytes, self.separator = timeout_s, max_output_bytes, separator
+        self._servers = list(servers)
+        self._settings = dict(max_concurrency=max_concurrency, restart=restart, isolation=isolation,
+                              pool_size=pool_size, retry_on_crash=retry_on_crash,
+                              restart_after_timeouts=restart_after_timeouts)
+        self._backends: list[Any] = []
+        self._specs: dict[str, Source] = {}
+        self._build_backends()
+        self._routes: dict[str, _Route] = {}
         self._state = "new"  # new -> started -> closed
 
     def __repr__(self) -> str:
-        return f"Toolbox({', '.join(c.name for c in self._conns)})"
+        return f"Toolbox({', '.join(b.name for b in self._backends)})"
+
+    def _build_backends(self) -> None:
+        """One backend per server (fresh: no process started yet)."""
+        st, timeout_s = self._settings, self.timeout_s
+        self._backends, self._specs = [], {}
+        labels: Counter = Counter()
+        for spec in self._servers:
+            labels[spec.label] += 1
+            name = spec.label if labels[spec.label] == 1 else f"{spec.label}-{labels[spec.label]}"
+            self._specs[name] = spec
+            if isinstance(spec, PythonTools):
+                self._backends.append(_PythonBackend(spec, name))
+                continue
+            isolation = spec.isolation or st["isolation"]
+            policy = ServerPolicy(
+                timeout_s=spec.timeout_s or timeout_s, max_concurrency=spec.max_concurrency or st["max_concurrency"],
+                restart=st["restart"], retry_on_crash=_pick(spec.retry_on_crash, st["retry_on_crash"]),
+                restart_after_timeouts=_pick(spec.restart_after_timeouts, st["restart_after_timeouts"]),
+                isolation=isolation,
+                pool_size=_pick(spec.pool_size, _pick(st["pool_size"], DEFAULT_POOL[isolation]))
+                if st["restart"] or isolation == "episode" else 0,
+                start_timeout_s=spec.start_timeout_s)
+            self._backends.append(_MCPBackend(spec, name, policy))
 
     # -- lifecycle --
     @property
@@ -195,10 +294,9 @@ class Toolbox:
         if self._state == "started":
             return self
         if self._state == "closed":
-            self._conns = [_Connection(c.spec, c.name, timeout_s=c.timeout_s, max_concurrency=c.max_concurrency,
-                                       restart=c.restart) for c in self._conns]
+            self._build_backends()
         try:
-            await asyncio.gather(*(c.start() for c in self._conns))
+            await asyncio.gather(*(b.start() for b in self._backends))
             self._routes = self._build_routes()
         except BaseException:
             await self.aclose()
@@ -206,14 +304,10 @@ class Toolbox:
         self._state = "started"
         return self
 
-    async def end_episode(self, episode_id: str) -> None:
-        """Episode ``episode_id`` ended: per-episode server state may be dropped (servers keep
-        their state keyed by the episode id they are given; nothing to release here)."""
-
     async def aclose(self) -> None:
         """Stop every server. Calls made afterwards return an error result."""
         self._state = "closed"
-        await asyncio.gather(*(c.close() for c in self._conns), return_exceptions=True)
+        await asyncio.gather(*(b.close() for b in self._backends), return_exceptions=True)
 
     async def __aenter__(self) -> Toolbox:
         return await self.start()
@@ -221,14 +315,26 @@ class Toolbox:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
-    def _build_routes(self) -> dict[str, _Connection]:
-        routes: dict[str, _Connection] = {}
-        for conn in self._conns:
-            for tool in conn.tools:
-                if tool.name in routes:
-                    raise ToolError(f"tool {tool.name!r} is offered by two servers, {routes[tool.name].name!r} "
-                                    f"and {conn.name!r}; tool names must be unique across a Toolbox")
-                routes[tool.name] = conn
+    async def end_episode(self, episode_id: str) -> None:
+        """The episode ``episode_id`` is over: its per-episode server instances and Python tool
+        objects are stopped (in the background; ``aclose`` waits for them). Never raises."""
+        for backend in self._backends:
+            try:
+                backend.end_episode(str(episode_id))
+            except Exception:  # noqa: BLE001 - ending an episode must not fail it
+                log.exception("ending episode %r on tool server %r failed", episode_id, backend.name)
+
+    def _build_routes(self) -> dict[str, _Route]:
+        routes: dict[str, _Route] = {}
+        for backend in self._backends:
+            prefix = self._specs[backend.name].prefix
+            for tool in backend.tools:
+                public = f"{prefix}{self.separator}{tool.name}" if prefix else tool.name
+                if public in routes:
+                    raise ToolError(f"tool {public!r} is offered by two servers, {routes[public].backend.name!r} and "
+                                    f"{backend.name!r}; give one a prefix: mcp_tools({{'a': ..., 'b': ...}}) or "
+                                    f"MCPServer(prefix=...)")
+                routes[public] = _Route(backend, tool, public)
         return routes
 
     # -- what the model sees --
@@ -236,70 +342,90 @@ class Toolbox:
     def tools(self) -> list[dict[str, Any]]:
         """OpenAI-format function specs, ready for ``apply_chat_template(..., tools=...)``."""
         self._require_started()
-        return [_function_spec(t) for c in self._conns for t in c.tools]
+        return [_function_spec(r.public, r.tool) for r in self._routes.values()]
 
     def names(self) -> list[str]:
         self._require_started()
         return sorted(self._routes)
 
     def is_stateful(self, name: str) -> bool:
-        """Whether tool ``name`` takes a hidden per-episode ``episode_id``."""
-        tool = self._tool(name)
-        return tool is not None and EPISODE_ID in (tool.input_schema.get("properties") or {})
+        """Whether tool ``name`` takes a hidden per-episode ``episode_id`` (the shared-server convention)."""
+        route = self._routes.get(name)
+        return route is not None and EPISODE_ID in (route.tool.input_schema.get("properties") or {})
 
     @property
     def restarts(self) -> dict[str, int]:
-        """Server name -> times its connection was re-established after it dropped."""
-        return {c.name: c.restarts for c in self._conns}
+        """Server name -> times one of its instances was replaced after it died or hung."""
+        return {b.name: b.restarts for b in self._backends}
+
+    @property
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Server name -> counters: starts, restarts, crashes, timeouts, timeout_restarts, retries,
+        start_failures."""
+        return {b.name: dict(b.stats) for b in self._backends}
 
     def _require_started(self) -> None:
         if self._state != "started":
             raise ToolError(f"the Toolbox is {self._state}; use `async with mcp_tools(...)` or `await start()` "
                             f"before reading its tools")
 
-    def _tool(self, name: str) -> Any:
-        conn = self._routes.get(name)
-        return None if conn is None else next((t for t in conn.tools if t.name == name), None)
-
     # -- calls --
     async def call(self, name: str, arguments: Mapping[str, Any] | None = None, *, episode_id: str | None = None,
-                   call_id: str = "") -> ToolResult:
-        """Call tool ``name``; always returns a ``ToolResult`` (errors as ``is_error=True``)."""
+                   call_id: str = "", timeout_s: float | None = None) -> ToolResult:
+        """Call tool ``name``; always returns a ``ToolResult`` (errors as ``is_error=True`` with
+        ``error_kind``). ``timeout_s``: the limit when neither the server nor the toolbox set one."""
         start = time.perf_counter()
         try:
-            content, is_error = await self._call(name, arguments, episode_id)
+            answer = await self._call(name, arguments, episode_id, timeout_s)
         except Exception as exc:  # a bug here must not end the episode; cancellation still propagates
             log.exception("Toolbox.call(%r) failed", name)
-            content, is_error = f"tool {name!r} failed: {type(exc).__name__}: {exc}", True
-        return ToolResult(name=name, content=content, is_error=is_error,
-                          latency_s=time.perf_counter() - start, call_id=call_id)
+            answer = Answer(f"tool {name!r} failed: {type(exc).__name__}: {exc}", "tool")
+        result = ToolResult(name=name, content=answer.text, is_error=answer.kind is not None,
+                            latency_s=time.perf_counter() - start, call_id=call_id, error_kind=answer.kind,
+                            attempts=answer.attempts, server_s=answer.server_s)
+        return cap_bytes(result, self.max_output_bytes)
 
-    async def execute(self, call: ToolCall, *, episode_id: str | None = None) -> ToolResult:
+    async def execute(self, call: ToolCall, *, episode_id: str | None = None,
+                      timeout_s: float | None = None) -> ToolResult:
         """Run a parsed ``ToolCall``; a malformed one (``call.error``) gets ``error_result``."""
         if call.error is not None:
             return error_result(call)
-        return await self.call(call.name, call.arguments, episode_id=episode_id, call_id=call.id)
+        return await self.call(call.name, call.arguments, episode_id=episode_id, call_id=call.id, timeout_s=timeout_s)
 
-    async def _call(self, name: str, arguments: Any, episode_id: str | None) -> tuple[str, bool]:
+    async def _call(self, name: str, arguments: Any, episode_id: str | None, timeout_s: float | None) -> Answer:
         if self._state != "started":
-            return f"tool {name!r} cannot run: the toolbox is {self._state}", True
-        tool = self._tool(name)
-        if tool is None:
-            return _unknown_tool(name, self.names()), True
+            return Answer(f"tool {name!r} cannot run: the toolbox is {self._state}", "unavailable")
+        route = self._routes.get(name) if isinstance(name, str) else None
+        if route is None:
+            return Answer(_unknown_tool(name, self.names()), "invalid_call")
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, Mapping):
-            return f"arguments for tool {name!r} must be a JSON object, got {type(arguments).__name__}", True
-        args = {k: v for k, v in arguments.items() if k != EPISODE_ID or not self.is_stateful(name)}
-        problem = _check_arguments(name, _model_schema(tool.input_schema), args)
+            return Answer(f"arguments for tool {name!r} must be a JSON object, got {type(arguments).__name__}",
+                          "invalid_call")
+        stateful = self.is_stateful(name)
+        args = clean_value({k: v for k, v in arguments.items() if k != EPISODE_ID or not stateful})
+        problem = _check_arguments(name, _model_schema(route.tool.input_schema), args)
         if problem:
-            return problem, True
-        if self.is_stateful(name):
+            return Answer(problem, "invalid_call")
+        if stateful:
             if episode_id is None:
-                return (f"tool {name!r} keeps per-episode state and needs an episode id; the caller must pass "
-                        f"Toolbox.call(..., episode_id=...)"), True
+                return Answer(f"tool {name!r} keeps per-episode state and needs an episode id; the caller must pass "
+                              f"Toolbox.call(..., episode_id=...)", "invalid_call")
             args[EPISODE_ID] = str(episode_id)
-        return await self._routes[name].call(name, args)
+        limit = self._timeout(route.backend, timeout_s)
+        return await route.backend.call(route.tool.name, args, episode_id=None if episode_id is None
+                                        else str(episode_id), timeout_s=limit)
+
+    def _timeout(self, backend: Any, call_timeout_s: float | None) -> float:
+        """The server's own limit, else the toolbox's, else the caller's, else 30 s."""
+        policy = getattr(backend, "policy", None)
+        own = policy.timeout_s if policy is not None else (backend.spec.timeout_s or self.timeout_s)
+        return own or call_timeout_s or DEFAULT_TIMEOUT_S
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 # -- helpers --
@@ -318,9 +444,9 @@ def _model_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _function_spec(tool: Any) -> dict[str, Any]:
-    return {"type": "function", "function": {"name": tool.name,
-                                             "description": tool.description or tool.title or "",
+def _function_spec(name: str, tool: Any) -> dict[str, Any]:
+    description = tool.description or getattr(tool, "title", None) or ""
+    return {"type": "function", "function": {"name": name, "description": description,
                                              "parameters": _model_schema(tool.input_schema)}}
 
 

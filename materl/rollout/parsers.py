@@ -1,36 +1,57 @@
-"""Tool-call parsers: model text in, ``ParsedMessage(content, calls)`` out.
+"""Tool-call formats: model text in, ``ParsedMessage(content, calls)`` out.
 
     TOOL_PARSERS.get("hermes")('I will add. <tool_call>{"name": "calculate", '
                                '"arguments": {"expression": "2+3"}}</tool_call>')
     # ParsedMessage(content='I will add.', calls=[ToolCall(name='calculate', ...)])
+    choose_format(tokenizer, "auto")   # the format the model's chat template declares
 
-A parser never raises on model output. A call the model got wrong (bad JSON, no name,
-arguments that are not an object, an unclosed tag) comes back as
-``ToolCall(name="", arguments={}, raw=<its text>, error=<what is wrong>)``, so the episode can
-answer it with ``error_result(call)`` and the model learns from the message.
+Guarantees of every built-in format (``hermes``, ``json``, ``qwen3_coder``, ``llama3_json``,
+``mistral``, ``harmony``, and ``response_template`` over transformers' parser):
 
-Accepted call objects (both parsers): ``{"name": str, "arguments": {...}}``. Leniencies, each
-seen in real chat templates: ``"parameters"`` for ``"arguments"`` (Llama 3.1), arguments as a
-JSON *string* holding an object (OpenAI wire format), and no ``"arguments"`` at all for a
-tool without parameters (read as ``{}``).
+- it never raises on model output: a call the model got wrong (bad JSON, no name, arguments
+  that are not an object, an unclosed tag, nesting deeper than 64 levels, a call longer than
+  256 KiB) comes back as ``ToolCall(name="", arguments={}, raw=<its text>, error=<what is
+  wrong>)``, which the episode answers with ``error_result(call)`` so the model learns from it;
+- it runs in time linear in the text (no regex backtracking over the message, no re-parsing
+  from every brace) and searches only the first 1 MiB of a message for calls;
+- invalid Unicode (lone surrogates from ``"\\ud800"`` escapes) in names and arguments is
+  replaced by U+FFFD, so it can neither break a tokenizer nor a server connection.
 
-verl: ``verl.experimental.agent_loop.tool_parser.HermesToolParser`` (regex over
-``<tool_call>(.*?)</tool_call>``; it drops malformed calls with a log line, materl keeps them
-as error calls). TRL: ``trl.chat_template_utils.parse_response`` (schema-driven regex).
+A format is a ``ToolCallFormat``: its ``parse(text, tools)`` (``tools``: the OpenAI function
+specs the model was shown, used by XML formats to give arguments their schema types), the
+``stop_strings`` an engine may stop at, whether it needs the text decoded *with* special
+tokens (``[TOOL_CALLS]``, harmony's ``<|channel|>``... are special tokens), and the
+``markers`` that identify it in a chat template. ``choose_format(tokenizer, "auto")`` picks:
+the tokenizer's ``response_template`` (transformers' declarative response parser) when it
+has one, else the first format whose markers all appear in the chat template, else hermes.
+
+verl: ``verl.experimental.agent_loop.tool_parser`` (hermes, gpt-oss; drops malformed calls with
+a log line, materl keeps them as error calls). TRL: ``trl.chat_template_utils.parse_response``.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from materl.registry import Registry
+from materl.rollout._json_calls import (
+    CALL_START,
+    MAX_PARSE_CHARS,
+    bad_call,
+    call_from_json,
+    call_from_obj,
+    fences,
+    join_content,
+    load_json,
+    looks_like_call,
+    scan_json_calls,
+)
 from materl.rollout.types import ToolCall, ToolResult
 
-__all__ = ["TOOL_PARSERS", "ParsedMessage", "error_result", "stop_strings"]
+__all__ = ["TOOL_PARSERS", "ParsedMessage", "ToolCallFormat", "choose_format", "error_result", "parse_safely",
+           "stop_strings", "tool_format"]
 
 
 @dataclass
@@ -41,90 +62,128 @@ class ParsedMessage:
     calls: list[ToolCall] = field(default_factory=list)
 
 
-Parser = Callable[[str], ParsedMessage]
-TOOL_PARSERS: Registry[Parser] = Registry("tool_parser")
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """One way models write tool calls; calling it parses (``fmt(text, tools=None)``)."""
 
-_STOP_STRINGS: dict[str, tuple[str, ...]] = {"hermes": ("</tool_call>",), "json": ()}
+    name: str
+    parse: Callable[[str, list[dict] | None], ParsedMessage]
+    stop_strings: tuple[str, ...] = ()
+    special_tokens: bool = False  # parse the text decoded with special tokens kept
+    markers: tuple[str, ...] = ()  # all present in a chat template -> this format
+    uses_prefix: bool = False  # parse(text, tools, prefix): also needs the prompt's tail text
+
+    def __call__(self, text: str, tools: list[dict] | None = None, *, prefix: str = "") -> ParsedMessage:
+        return self.parse(text, tools, prefix) if self.uses_prefix else self.parse(text, tools)
+
+
+TOOL_PARSERS: Registry[ToolCallFormat] = Registry("tool_parser")
+# "auto" checks formats in this order (the more specific markers first).
+AUTO_ORDER = ["harmony", "mistral", "qwen3_coder", "hermes", "llama3_json"]
+
+
+def tool_format(name: str, *, stop: tuple[str, ...] = (), special_tokens: bool = False,
+                markers: tuple[str, ...] = ()):
+    """Register ``fn(text, tools) -> ParsedMessage`` as the format ``name``."""
+
+    def decorator(fn):
+        TOOL_PARSERS.register(name, ToolCallFormat(name, fn, stop, special_tokens, markers))
+        return fn
+
+    return decorator
+
+
+def as_format(obj: Any, name: str = "custom") -> ToolCallFormat:
+    """A ``ToolCallFormat`` from one, or from a plain ``fn(text) -> ParsedMessage``."""
+    if isinstance(obj, ToolCallFormat):
+        return obj
+    return ToolCallFormat(name, lambda text, tools: obj(text))
+
+
+def parse_safely(fmt: ToolCallFormat, text: str, tools: list[dict] | None = None, *,
+                 prefix: str = "") -> ParsedMessage:
+    """``fmt(text, tools)``, but a format that raises (a user-registered one, or a bug) gives one
+    malformed call instead of failing the episode."""
+    try:
+        return fmt(text, tools, prefix=prefix)
+    except Exception as exc:  # noqa: BLE001 - model output must never end an episode
+        return ParsedMessage(text.strip(), [bad_call(text, 0, f"the {fmt.name!r} tool-call parser failed: "
+                                                               f"{type(exc).__name__}: {exc}")])
+
+
+def split_parse_region(text: str) -> tuple[str, str]:
+    """The part of a message searched for calls, and the rest (content only)."""
+    return (text, "") if len(text) <= MAX_PARSE_CHARS else (text[:MAX_PARSE_CHARS], text[MAX_PARSE_CHARS:])
+
+
+# -- hermes ------------------------------------------------------------------------------------
 
 _CALL_OPEN, _CALL_CLOSE = "<tool_call>", "</tool_call>"
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_-]*)[ \t]*\n?(.*?)```", re.DOTALL)
-_CALL_START = re.compile(r'\{\s*"(?:name|arguments|parameters)"\s*:')
-_DECODER = json.JSONDecoder()
 
 
-def _call_from_json(body: str, index: int) -> ToolCall:
-    """One call from the JSON text of one call object; malformed text gives an error call."""
-    raw = body
-    body = _strip_fence(body.strip())
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return _bad(raw, index, f"the call is not valid JSON ({exc.msg} at char {exc.pos})")
-    return _call_from_obj(obj, raw, index)
+def tagged_blocks(text: str, open_tag: str, close_tag: str):
+    """Yield ``("text", piece)`` and ``("block", start, body_start, end_or_None)`` in order.
+
+    A block without its close tag before the next open tag (or the end) is unclosed
+    (``end=None``) and runs to the next open tag. Tag positions are found once each, so this is
+    linear even for thousands of unclosed tags."""
+    opens, closes = _positions(text, open_tag), _positions(text, close_tag)
+    pos, ci = 0, 0
+    for k, start in enumerate(opens):
+        if start < pos:
+            continue
+        yield "text", text[pos:start]
+        body_start = start + len(open_tag)
+        while ci < len(closes) and closes[ci] < body_start:
+            ci += 1
+        nxt = opens[k + 1] if k + 1 < len(opens) else len(text)
+        if ci < len(closes) and closes[ci] < nxt:
+            yield "block", start, body_start, closes[ci]
+            pos = closes[ci] + len(close_tag)
+        else:
+            yield "block", start, body_start, None
+            pos = nxt
+    yield "text", text[pos:]
 
 
-def _call_from_obj(obj: Any, raw: str, index: int) -> ToolCall:
-    if not isinstance(obj, dict):
-        return _bad(raw, index, f"a call must be a JSON object, got {type(obj).__name__}")
-    name = obj.get("name")
-    if not isinstance(name, str) or not name.strip():
-        return _bad(raw, index, f'the call has no "name" string (got {name!r})')
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # OpenAI wire format: arguments as a JSON string
-        try:
-            args = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
-            return _bad(raw, index, f'"arguments" of {name!r} is a string that is not a JSON object')
-    if args is None:
-        args = {}
-    if not isinstance(args, dict):
-        return _bad(raw, index, f'"arguments" of {name!r} must be an object, got {type(args).__name__}')
-    return ToolCall(name=name.strip(), arguments=args, id=f"call_{index}", raw=raw)
+def _positions(text: str, tag: str) -> list[int]:
+    out, pos = [], 0
+    while (pos := text.find(tag, pos)) >= 0:
+        out.append(pos)
+        pos += len(tag)
+    return out
 
 
-def _bad(raw: str, index: int, error: str) -> ToolCall:
-    return ToolCall(name="", arguments={}, id=f"call_{index}", raw=raw, error=error)
-
-
-def _strip_fence(body: str) -> str:
-    m = _FENCE.fullmatch(body)
-    return m.group(2).strip() if m else body
-
-
-@TOOL_PARSERS.register("hermes")
-def hermes(text: str) -> ParsedMessage:
+@tool_format("hermes", stop=(_CALL_CLOSE,), markers=(_CALL_OPEN,))
+def hermes(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Hermes / Qwen2.5 / Qwen3 format: each call is ``<tool_call>{json}</tool_call>``.
 
     Content is the text outside the tags, stripped. A ``<tool_call>`` without its closing tag
     (generation cut by max tokens) is a malformed call; a stray ``</tool_call>`` is content.
     Engines must keep the stop string ``</tool_call>`` in the returned text.
     """
+    region, rest = split_parse_region(text)
     calls: list[ToolCall] = []
     pieces: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(_CALL_OPEN, pos)
-        if start < 0:
-            pieces.append(text[pos:])
-            break
-        pieces.append(text[pos:start])
-        body_start = start + len(_CALL_OPEN)
-        end = text.find(_CALL_CLOSE, body_start)
-        nested = text.find(_CALL_OPEN, body_start)
-        if end < 0 or 0 <= nested < end:  # unclosed: the call runs to the next <tool_call>
-            stop = nested if nested >= 0 else len(text)
-            calls.append(_bad(text[start:stop], len(calls), "unclosed <tool_call> tag (no </tool_call>)"))
-            pos = stop
-            if stop == len(text):
-                break
+    for item in tagged_blocks(region, _CALL_OPEN, _CALL_CLOSE):
+        if item[0] == "text":
+            pieces.append(item[1])
             continue
-        calls.append(_call_from_json(text[body_start:end], len(calls)))
-        pos = end + len(_CALL_CLOSE)
-    return ParsedMessage(content=_join(pieces), calls=calls)
+        _, start, body_start, end = item
+        if end is None:
+            stop = region.find(_CALL_OPEN, body_start)
+            calls.append(bad_call(region[start : stop if stop >= 0 else len(region)], len(calls),
+                                  "unclosed <tool_call> tag (no </tool_call>)"))
+        else:
+            calls.append(call_from_json(region[body_start:end], len(calls)))
+    return ParsedMessage(content=join_content(pieces + [rest]), calls=calls)
 
 
-@TOOL_PARSERS.register("json")
-def json_calls(text: str) -> ParsedMessage:
+# -- json --------------------------------------------------------------------------------------
+
+
+@tool_format("json")
+def json_calls(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Calls written as bare JSON objects anywhere in the text, fenced (```json) or not.
 
     An object is a call when it has a ``"name"``, ``"arguments"`` or ``"parameters"`` key; a
@@ -132,69 +191,68 @@ def json_calls(text: str) -> ParsedMessage:
     JSON) stays in the content. Text that starts like a call object but does not parse is a
     malformed call, up to the end of its fence (or of the text when unfenced).
     """
+    region, rest = split_parse_region(text)
     calls: list[ToolCall] = []
     pieces: list[str] = []
     pos = 0
-    for m in _FENCE.finditer(text):
-        pieces.append(_scan_unfenced(text[pos : m.start()], calls))
-        found = _fenced_calls(m.group(2), calls)
-        pieces.append("" if found else m.group(0))
-        pos = m.end()
-    pieces.append(_scan_unfenced(text[pos:], calls))
-    return ParsedMessage(content=_join(pieces), calls=calls)
+    for start, body_start, body_end, end in fences(region):
+        pieces.append(scan_json_calls(region[pos:start], calls))
+        found = _fenced_calls(region[body_start:body_end], calls)
+        pieces.append("" if found else region[start:end])
+        pos = end
+    pieces.append(scan_json_calls(region[pos:], calls))
+    return ParsedMessage(content=join_content(pieces + [rest]), calls=calls)
 
 
 def _fenced_calls(body: str, calls: list[ToolCall]) -> bool:
     """Append the calls in one fence body; False when the fence is not a call."""
     stripped = body.strip()
-    try:
-        obj = json.loads(stripped)
-    except json.JSONDecodeError as exc:
-        if _CALL_START.search(stripped):
-            calls.append(_bad(body, len(calls), f"the call is not valid JSON ({exc.msg} at char {exc.pos})"))
+    obj, why = load_json(stripped)
+    if why is not None:
+        if CALL_START.search(stripped):
+            calls.append(bad_call(body, len(calls), why))
             return True
         return False
     items = obj if isinstance(obj, list) else [obj]
-    if not items or not all(_looks_like_call(o) for o in items):
+    if not items or not all(looks_like_call(o) for o in items):
         return False
     for o in items:
-        calls.append(_call_from_obj(o, json.dumps(o) if len(items) > 1 else body, len(calls)))
+        calls.append(call_from_obj(o, _dump(o) if len(items) > 1 else body, len(calls)))
     return True
 
 
-def _scan_unfenced(text: str, calls: list[ToolCall]) -> str:
-    """Pull call objects out of unfenced text; returns the remaining content."""
-    out: list[str] = []
-    pos = 0
-    while True:
-        start = text.find("{", pos)
-        if start < 0:
-            out.append(text[pos:])
-            return "".join(out)
-        try:
-            obj, end = _DECODER.raw_decode(text, start)
-        except json.JSONDecodeError as exc:
-            if _CALL_START.match(text, start):
-                out.append(text[pos:start])
-                calls.append(_bad(text[start:], len(calls), f"the call is not valid JSON ({exc.msg})"))
-                return "".join(out)
-            out.append(text[pos : start + 1])
-            pos = start + 1
-            continue
-        if _looks_like_call(obj):
-            out.append(text[pos:start])
-            calls.append(_call_from_obj(obj, text[start:end], len(calls)))
-        else:
-            out.append(text[pos:end])
-        pos = end
+def _dump(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, ensure_ascii=False)
 
 
-def _looks_like_call(obj: Any) -> bool:
-    return isinstance(obj, dict) and bool({"name", "arguments", "parameters"} & obj.keys())
+# -- choosing a format, stop strings, error results --------------------------------------------
 
 
-def _join(pieces: list[str]) -> str:
-    return re.sub(r"\n{3,}", "\n\n", "".join(pieces)).strip()
+def choose_format(tokenizer: Any, requested: str | ToolCallFormat = "auto") -> ToolCallFormat:
+    """The format to parse a model's output with.
+
+    ``requested`` other than ``"auto"``: that registered format (unknown names raise
+    ``UnknownNameError`` listing the valid ones). ``"auto"``: transformers' response parser when
+    the tokenizer declares a ``response_template``; else the first of ``AUTO_ORDER`` whose
+    markers all appear in the chat template; else ``hermes``."""
+    if isinstance(requested, ToolCallFormat):
+        return requested
+    if requested != "auto":
+        return as_format(TOOL_PARSERS.get(requested), requested)
+    if getattr(tokenizer, "response_template", None):
+        from materl.rollout.tool_formats import response_template_format
+
+        return response_template_format(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default") or ""
+    for name in AUTO_ORDER:
+        fmt = TOOL_PARSERS.get(name)
+        if fmt.markers and all(m in template for m in fmt.markers):
+            return fmt
+    return TOOL_PARSERS.get("hermes")
 
 
 def stop_strings(parser_name: str) -> tuple[str, ...]:
@@ -203,8 +261,7 @@ def stop_strings(parser_name: str) -> tuple[str, ...]:
     ``hermes`` -> ``("</tool_call>",)``; ``json`` -> ``()`` (a JSON object has no fixed end
     marker). Unknown names raise ``UnknownNameError`` listing the registered parsers.
     """
-    TOOL_PARSERS.get(parser_name)
-    return _STOP_STRINGS.get(parser_name, ())
+    return as_format(TOOL_PARSERS.get(parser_name)).stop_strings
 
 
 def error_result(call: ToolCall) -> ToolResult:
@@ -218,4 +275,8 @@ def error_result(call: ToolCall) -> ToolResult:
         ),
         is_error=True,
         call_id=call.id,
+        error_kind="invalid_call",
     )
+
+
+from materl.rollout import tool_formats as _tool_formats  # noqa: E402,F401  (registers the other formats)

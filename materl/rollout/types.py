@@ -12,6 +12,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+# Why a tool call failed, recorded on its own ToolResult (``error_kind``):
+#   invalid_call  the model's call could not run: unparseable, unknown tool, bad arguments
+#   tool          the tool ran and reported an error (MCP ``isError``, a raised exception)
+#   timeout       no answer within the call's timeout
+#   crash         the server died (or the connection dropped) under the call, twice if retried
+#   protocol      the server answered with something that is not a valid MCP result
+#   unavailable   the server is down, restarting past its start timeout, or the toolbox is closed
+ErrorKind = Literal["invalid_call", "tool", "timeout", "crash", "protocol", "unavailable"]
+ERROR_KINDS: tuple[str, ...] = ("invalid_call", "tool", "timeout", "crash", "protocol", "unavailable")
+
 
 @dataclass
 class ToolCall:
@@ -26,13 +36,25 @@ class ToolCall:
 
 @dataclass
 class ToolResult:
-    """What a tool returned (or the error it raised, as text the model will see)."""
+    """What a tool returned (or the error it raised, as text the model will see).
+
+    ``error_kind`` says why an error result failed (see ``ErrorKind``; None when it did not);
+    ``attempts`` is how many times the call was sent (2 after a retry on a restarted server);
+    ``latency_s`` is the whole wait, ``server_s`` the part spent on a live server (what
+    ``timeout_s`` bounds; waiting for a free slot or a restarting server is the rest);
+    ``truncated`` is set when the output was cut to fit the byte or token budget:
+    ``{"bytes": <original UTF-8 bytes>, "kept_bytes": ..., "tokens": <original tokens or None>,
+    "kept_tokens": ...}``."""
 
     name: str
     content: str
     is_error: bool = False
     latency_s: float = 0.0
     call_id: str = ""
+    error_kind: ErrorKind | None = None
+    attempts: int = 1
+    truncated: dict[str, Any] | None = None
+    server_s: float = 0.0
 
 
 @dataclass

@@ -9,10 +9,11 @@ json_parser = TOOL_PARSERS.get("json")
 
 
 def test_registry_names_and_stop_strings():
-    assert TOOL_PARSERS.names() == ["hermes", "json"]
+    assert TOOL_PARSERS.names() == ["harmony", "hermes", "json", "llama3_json", "mistral", "qwen3_coder"]
     assert stop_strings("hermes") == ("</tool_call>",)
     assert stop_strings("json") == ()
-    with pytest.raises(UnknownNameError, match="valid: hermes, json"):
+    assert stop_strings("harmony") == ("<|call|>",)
+    with pytest.raises(UnknownNameError, match="valid: harmony, hermes, json, llama3_json, mistral, qwen3_coder"):
         stop_strings("qwen")
 
 
@@ -127,3 +128,72 @@ def test_error_result_is_what_the_model_sees():
     assert result.is_error and result.call_id == "call_0"
     assert "could not be parsed" in result.content and "not valid JSON" in result.content
     assert '{"name": "<tool name>"' in result.content
+
+
+# -- every format: never raises, bounded work, invalid Unicode (adversarial model output) --------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ALL = TOOL_PARSERS.names()
+DEEP = '{"name": "f", "arguments": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}"
+ADVERSARIAL = {
+    "1 MB of {": "{" * (1 << 20),
+    "1 MB of [": "[" * (1 << 20),
+    "deep call": f"<tool_call>{DEEP}</tool_call> {DEEP}",
+    "nested call starts": '{"name": ' * 50_000,
+    "unclosed tags": "<tool_call>" * 100_000,
+    "fences": "```" * 100_000,
+    "quotes": '{"' * 200_000,
+    "markers": "[TOOL_CALLS]" * 50_000 + "<|message|>" * 50_000 + "<function=" * 50_000,
+    "huge number": '<tool_call>{"name": "f", "arguments": {"x": ' + "9" * 100_000 + "}}</tool_call>",
+}
+
+
+@pytest.mark.parametrize("fmt", ALL)
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+def test_adversarial_output_never_raises(fmt, case):
+    msg = TOOL_PARSERS.get(fmt)(ADVERSARIAL[case])
+    assert isinstance(msg, ParsedMessage)
+    assert all(isinstance(c, ToolCall) and (c.error is None) == bool(c.name) for c in msg.calls)
+
+
+def test_deep_nesting_is_a_malformed_call_not_a_recursion_error():
+    [inner, bare] = json_parser(f"<tool_call>{DEEP}</tool_call> {DEEP}").calls
+    assert "nested more than 64 levels" in inner.error and "nested more than 64 levels" in bare.error
+    [call] = hermes(f"<tool_call>{DEEP}</tool_call>").calls
+    assert "nested more than 64 levels" in call.error
+    ok = '{"name": "f", "arguments": ' + '{"a": ' * 60 + "1" + "}" * 60 + "}"
+    assert json_parser(ok).calls[0].error is None  # 61 levels: fine
+
+
+def test_lone_surrogates_in_arguments_are_replaced():
+    [call] = hermes('<tool_call>{"name": "echo", "arguments": {"text": "a\\ud800b", "\\udfffk": 1}}</tool_call>').calls
+    assert call.arguments == {"text": "a\ufffdb", "\ufffdk": 1}
+    assert call.raw.encode("utf-8")  # everything the episode keeps is valid UTF-8
+
+
+def test_a_call_in_a_json_string_is_not_a_call():
+    msg = json_parser('{"note": "write {\\"name\\": \\"f\\"} to call"} and {"name": "g", "arguments": {}}')
+    assert [c.name for c in msg.calls] == ["g"]
+
+
+def test_unparsed_tail_past_the_size_limit_is_content():
+    from materl.rollout._json_calls import MAX_PARSE_CHARS
+
+    text = "x" * MAX_PARSE_CHARS + '<tool_call>{"name": "f"}</tool_call>'
+    msg = hermes(text)
+    assert msg.calls == [] and msg.content.endswith("</tool_call>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(list('{}[]":,\\ <>/=|_ntoolcaMESGfu\n') + [
+    "<tool_call>", "</tool_call>", "[TOOL_CALLS]", "[ARGS]", "<|message|>", "<|channel|>", " to=functions.f", "<|call|>",
+    "<function=f>", "<parameter=x>", "</parameter>", "</function>", '"name"', '"arguments"', "```", "\ud800"]),
+    max_size=40).map("".join))
+def test_any_text_parses_without_raising(text):
+    for fmt in ALL:
+        msg = TOOL_PARSERS.get(fmt)(text)
+        assert isinstance(msg.content, str)
+        for c in msg.calls:
+            assert (c.error is None) == bool(c.name)
+            assert c.name.encode("utf-8") is not None and isinstance(c.arguments, dict)

@@ -43,7 +43,8 @@ async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_re
     if turn >= run.options.max_turns and not state.done:
         state = dc_replace(state, done=True)
     return await generate_step(agent.engine, agent.tokenizer, state, tool_responses,
-                               sampling(run, node, ep.seed, turn), parser=node.params.get("parser", "hermes"))
+                               sampling(run, node, ep.seed, turn), parser=node.params.get("parser", "auto"),
+                               max_tool_output_tokens=run.options.max_tool_output_tokens)
 
 
 async def structure_rollout(run: Run, node: Node, ep: Episode, *parts) -> Rollout:
@@ -71,7 +72,7 @@ async def call_tools(run: Run, node: Node, ep: Episode, step) -> list:
     results: list = [None] * len(calls)
 
     async def one(i, call):
-        results[i] = await toolbox.execute(call, episode_id=ep.uid)
+        results[i] = await toolbox.execute(call, episode_id=ep.uid, timeout_s=run.options.tool_timeout_s)
 
     async with anyio.create_task_group() as tg:
         for i, call in enumerate(calls):

@@ -1,0 +1,370 @@
+"""Supervision of one MCP server: restarts, retries, per-episode instances.
+
+- ``_Pool``: pre-started instances of a server (``_mcp_connection._Instance``), refilled in the
+  background, so handing one out costs no start-up time.
+- ``_Supervised``: one logical server handle (the shared server, or one episode's own
+  instance): a concurrency limit, the live instance, and the recovery rules below.
+- ``_MCPBackend``: what the Toolbox routes calls to: one ``_Supervised`` for
+  ``isolation="shared"``, one per episode id for ``isolation="episode"`` (closed by
+  ``end_episode``).
+
+Recovery rules (``_Supervised.call``):
+
+1. A call's ``timeout_s`` bounds the time it spends on a live server, its retry included; the
+   wait for a free slot and for a (re)starting server is not counted (the latter is bounded by
+   ``start_timeout_s``).
+2. When the server dies under a call (the process exits, the pipe or HTTP transport fails, or
+   it is killed by rule 3), every call in flight on it is retried once on the new instance with
+   the rest of its time, unless ``retry_on_crash=False`` (non-idempotent tools) or
+   ``restart=False``. Retries run one at a time (beside new calls), so the call that caused
+   the crash crashes its retry alone: it fails with kind ``"crash"`` after at most two
+   restarts, and a crash caused by one call never fails another. (Two different calls that
+   each crash the server while both are in flight can still fail a third call whose retry
+   overlaps the second crash; ``isolation="episode"`` confines crashes to one episode.)
+3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
+   kind in between) kill it; it is replaced like a crashed one (a server that hangs without
+   closing its pipe is restarted instead of failing every later call).
+4. A server that dies under calls is replaced at once (rule 2 bounds what a bad call costs:
+   two restarts). A server that dies on its own, with no call in flight, is replaced at once
+   the first time and then after an exponential backoff (0.5 s doubling to 8 s) while it keeps
+   dying that way; an answered call resets the count. A replacement that fails to start is
+   retried with the same backoff; ``max_start_failures`` failed starts in a row mark the
+   server down (calls get ``"unavailable"``) until the Toolbox is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from materl.errors import ToolError
+from materl.rollout._mcp_connection import Answer, _Instance
+
+if TYPE_CHECKING:
+    from materl.rollout.mcp import MCPServer
+
+log = logging.getLogger("materl.rollout.mcp")
+
+
+@dataclass(frozen=True)
+class ServerPolicy:
+    """The resolved settings of one server (``MCPServer`` fields over ``mcp_tools`` defaults)."""
+
+    timeout_s: float | None  # None: the caller's default (the compiled step's tool_timeout_s)
+    max_concurrency: int
+    restart: bool
+    retry_on_crash: bool
+    restart_after_timeouts: int  # 0: never restart for timeouts
+    isolation: str  # "shared" | "episode"
+    pool_size: int  # instances kept started and unused (a shared server's ready replacement, or new episodes')
+    start_timeout_s: float = 60.0
+    max_start_failures: int = 3
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def crash_delay(self, idle_deaths_in_a_row: int) -> float:
+        """Rule 4: no delay for the first death with no call in flight, then exponential backoff."""
+        if idle_deaths_in_a_row <= 1:
+            return 0.0
+        return min(self.backoff_s * 2 ** (idle_deaths_in_a_row - 2), self.max_backoff_s)
+
+
+class _Pool:
+    """Ready instances of one server; ``get()`` hands one out and starts its replacement."""
+
+    def __init__(self, spec: MCPServer, name: str, policy: ServerPolicy, stats: Counter):
+        self.spec, self.name, self.policy, self.stats = spec, name, policy, stats
+        self._idle: list[_Instance] = []
+        self._filling: set[asyncio.Task] = set()
+        self._starting: set[_Instance] = set()  # being started (closed with the pool)
+        self._stopping: set[asyncio.Future] = set()  # failed starts being stopped
+        self._count = 0
+        self._closed = False
+
+    async def get(self) -> _Instance:
+        """A live, unused instance: an idle one, else one started now (``ToolError`` if it cannot start)."""
+        while self._idle:
+            inst = self._idle.pop(0)
+            if inst.alive:
+                self.refill()
+                return inst
+            await inst.close()
+        inst = await self._start()
+        self.refill()
+        return inst
+
+    async def first(self) -> _Instance:
+        """The first instance (it lists the tools), started without filling the pool."""
+        return await self._start()
+
+    async def discard_idle(self) -> None:
+        """Drop the idle instances (an HTTP server's idle sessions died with the server)."""
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(i.close() for i in idle), return_exceptions=True)
+
+    def put(self, inst: _Instance) -> None:
+        """Return an instance no call has used (its server holds no state yet)."""
+        self._idle.append(inst)
+
+    def refill(self) -> None:
+        """Start instances in the background until ``pool_size`` are idle or starting."""
+        while not self._closed and len(self._idle) + len(self._filling) < self.policy.pool_size:
+            task = asyncio.get_running_loop().create_task(self._fill_one(), name=f"mcp-pool:{self.name}")
+            self._filling.add(task)
+            task.add_done_callback(self._filling.discard)
+
+    async def _fill_one(self) -> None:
+        try:
+            inst = await self._start()
+        except ToolError as exc:  # the next get() starts one itself and reports the error
+            log.warning("tool server pool %r: %s", self.name, exc)
+            return
+        if self._closed:
+            await inst.close()
+        else:
+            self._idle.append(inst)
+
+    async def _start(self) -> _Instance:
+        self._count += 1
+        self.stats["starts"] += 1
+        name = self.name if self.policy.isolation == "shared" and self._count == 1 else f"{self.name}#{self._count}"
+        inst = _Instance(self.spec, name)
+        self._starting.add(inst)
+        try:
+            return await inst.start(self.policy.start_timeout_s)
+        except ToolError:
+            self.stats["start_failures"] += 1
+            if inst.closing is not None:
+                self._stopping.add(inst.closing)
+                inst.closing.add_done_callback(self._stopping.discard)
+            raise
+        finally:
+            self._starting.discard(inst)
+
+    async def close(self) -> None:
+        self._closed = True
+        for task in list(self._filling):
+            task.cancel()
+        idle, self._idle = self._idle, []
+        await asyncio.gather(*(i.close() for i in [*idle, *self._starting]), *self._filling, *self._stopping,
+                             return_exceptions=True)
+
+
+class _Supervised:
+    """One logical server handle; see the recovery rules in the module docstring."""
+
+    def __init__(self, pool: _Pool, name: str, stats: Counter, first: _Instance | None = None):
+        self.pool, self.name, self.stats = pool, name, stats
+        self.policy = pool.policy
+        self.slots = anyio.Semaphore(self.policy.max_concurrency)
+        self._suspects = anyio.Lock()
+        self.current: _Instance | None = None
+        self.down: str | None = None
+        self.closing = False
+        self.idle_deaths_in_a_row = 0
+        self._adopted = 0
+        self._ready = anyio.Event()
+        self._replacing: asyncio.Task | None = None
+        self._stopping: list[_Instance] = []
+        if first is not None:
+            self._adopt(first)
+
+    async def call(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
+        async with self.slots:
+            answer, budget = await self._attempt(tool, args, timeout_s, 1)
+            if not answer.died:
+                return answer._replace(server_s=timeout_s - budget)
+            if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
+                self.stats["retries"] += 1
+                async with self._suspects:  # rule 2: retried calls go one at a time
+                    answer, budget = await self._attempt(tool, args, budget, 2)
+                if not answer.died:
+                    return answer._replace(server_s=timeout_s - budget)
+            used = timeout_s - budget
+            if budget <= 0:  # its time ran out as the server died (e.g. killed after timeouts)
+                return Answer(f"tool {tool!r} timed out after {timeout_s:g} s (its server {self.name!r} died "
+                              f"meanwhile: {answer.text})", "timeout", attempts=answer.attempts, server_s=used)
+            return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts,
+                          server_s=used)
+
+    async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
+        """One send on the live instance; returns the answer and the time left of the budget."""
+        inst = await self._live()
+        if inst is None:
+            return Answer(self._unavailable(tool), "unavailable", attempts=attempt), budget
+        started = time.monotonic()
+        answer = await inst.request(tool, args, budget)
+        budget -= time.monotonic() - started
+        if answer.kind == "timeout":
+            self.stats["timeouts"] += 1
+            self._after_timeout(inst)
+        elif not answer.died:
+            self.idle_deaths_in_a_row = 0
+        return answer._replace(attempts=attempt), budget
+
+    def _crashed(self, tool: str, reason: str, attempts: int) -> str:
+        if attempts > 1:
+            why = "it died again on the retry after a restart"
+        elif not self.policy.restart:
+            why = "restart=False, so it stays down"
+        elif not self.policy.retry_on_crash:
+            why = "not retried (retry_on_crash=False); the server is being restarted"
+        else:
+            why = "the toolbox is closing"
+        return f"tool {tool!r} failed: its server {self.name!r} crashed during the call ({reason}); {why}"
+
+    def _unavailable(self, tool: str) -> str:
+        why = self.down or ("the toolbox is closing" if self.closing else
+                            f"it did not come back within {self.policy.start_timeout_s:g} s")
+        return f"tool {tool!r} is unavailable: its server {self.name!r} is down ({why})"
+
+    def _after_timeout(self, inst: _Instance) -> None:
+        n = self.policy.restart_after_timeouts
+        if n and inst is self.current and inst.consecutive_timeouts >= n and self.policy.restart:
+            self.stats["timeout_restarts"] += 1
+            log.warning("tool server %r: %d calls in a row timed out; restarting it", self.name, n)
+            inst.kill(f"it was restarted after {n} calls in a row timed out")
+
+    # -- the live instance --
+    def _adopt(self, inst: _Instance) -> None:
+        inst._on_death = self._lost
+        self.current = inst
+        self._adopted += 1
+        self._ready.set()
+
+    def _lost(self, inst: _Instance) -> None:
+        """An instance died (its own owner task calls this, synchronously)."""
+        if inst is not self.current:
+            return
+        self.current = None
+        self._stopping.append(inst)
+        if self.closing:
+            return
+        if not inst.killed:  # a kill for timeouts is counted as a timeout restart (rule 3)
+            self.stats["crashes"] += 1
+            self.idle_deaths_in_a_row = 0 if inst.in_flight else self.idle_deaths_in_a_row + 1
+        if not self.policy.restart:
+            self.down = f"{inst.death_reason} (restart=False)"
+            return
+        self._start_replacement()
+
+    def _start_replacement(self) -> None:
+        if self._replacing is None and not self.closing and self.down is None:
+            self._ready = anyio.Event()
+            self._replacing = asyncio.get_running_loop().create_task(self._replace(), name=f"mcp-restart:{self.name}")
+
+    async def _replace(self) -> None:
+        delay, failures = self.policy.crash_delay(self.idle_deaths_in_a_row), 0
+        if self.pool.spec.url is not None and self._adopted:  # idle sessions of a server that just died
+            await self.pool.discard_idle()
+        try:
+            while not self.closing:
+                if delay:
+                    log.warning("tool server %r: restarting in %.1f s", self.name, delay)
+                    await anyio.sleep(delay)
+                try:
+                    inst = await self.pool.get()
+                except ToolError as exc:
+                    failures += 1
+                    if failures >= self.policy.max_start_failures:
+                        self.down = f"{exc} ({failures} failed starts in a row)"
+                        log.warning("tool server %r is down: %s", self.name, self.down)
+                        return
+                    delay = min(self.policy.backoff_s * 2 ** (failures - 1), self.policy.max_backoff_s)
+                    continue
+                if self.closing:
+                    await inst.close()
+                    return
+                self.stats["restarts"] += self._adopted > 0
+                self._adopt(inst)
+                return
+        finally:
+            self._replacing = None
+            self._ready.set()
+
+    async def _live(self) -> _Instance | None:
+        deadline = time.monotonic() + self.policy.start_timeout_s + self.policy.max_backoff_s
+        while not self.closing and self.down is None:
+            inst = self.current
+            if inst is not None and inst.alive:
+                return inst
+            if inst is not None:  # died while idle; its owner task is about to report it
+                self._lost(inst)
+            if self.current is None:
+                self._start_replacement()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            with anyio.move_on_after(left):
+                await self._ready.wait()
+        return None
+
+    async def close(self) -> None:
+        """Stop this handle's instance (and any replacement being started)."""
+        self.closing = True
+        if self._replacing is not None:
+            self._replacing.cancel()
+            with contextlib.suppress(BaseException):
+                await self._replacing
+        inst, self.current = self.current, None
+        self._ready.set()
+        await asyncio.gather(*(i.close() for i in [inst, *self._stopping] if i is not None), return_exceptions=True)
+
+
+class _MCPBackend:
+    """One MCP server behind the Toolbox: a shared handle, or one handle per episode."""
+
+    def __init__(self, spec: MCPServer, name: str, policy: ServerPolicy):
+        self.spec, self.name, self.policy = spec, name, policy
+        self.stats: Counter = Counter()
+        self.tools: list[Any] = []
+        self.pool = _Pool(spec, name, policy, self.stats)
+        self.shared: _Supervised | None = None
+        self.episodes: dict[str, _Supervised] = {}
+        self._ending: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        first = await self.pool.first()
+        self.tools = first.tools
+        if self.policy.isolation == "shared":
+            self.shared = _Supervised(self.pool, self.name, self.stats, first)
+        else:  # unused so far: the first episode gets it
+            self.pool.put(first)
+        self.pool.refill()
+
+    async def call(self, tool: str, args: dict[str, Any], *, episode_id: str | None, timeout_s: float) -> Answer:
+        handle = self.shared
+        if handle is None:
+            if episode_id is None:
+                return Answer(f"tool {tool!r} runs one server instance per episode (isolation='episode') and "
+                              f"needs an episode id; the caller must pass Toolbox.call(..., episode_id=...)",
+                              "invalid_call")
+            handle = self.episodes.get(episode_id)
+            if handle is None:
+                handle = self.episodes[episode_id] = _Supervised(self.pool, f"{self.name}[{episode_id}]", self.stats)
+        return await handle.call(tool, args, timeout_s)
+
+    def end_episode(self, episode_id: str) -> None:
+        """Stop the episode's instance in the background (its state is never reused)."""
+        handle = self.episodes.pop(episode_id, None)
+        if handle is not None:
+            task = asyncio.get_running_loop().create_task(handle.close(), name=f"mcp-end:{handle.name}")
+            self._ending.add(task)
+            task.add_done_callback(self._ending.discard)
+
+    @property
+    def restarts(self) -> int:
+        return self.stats["restarts"]
+
+    async def close(self) -> None:
+        handles = ([self.shared] if self.shared else []) + list(self.episodes.values())
+        self.episodes.clear()
+        await asyncio.gather(*(h.close() for h in handles), *list(self._ending), self.pool.close(),
+                             return_exceptions=True)
