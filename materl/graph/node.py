@@ -57,18 +57,23 @@ class Node:
         args = ", ".join(r if r.startswith("@") else f"%{r}" for r in self.inputs)
         shown = {k: v for k, v in self.params.items() if not k.startswith("_")}
         if "terms" in shown:
-            shown["terms"] = _Terms(shown["terms"])
+            shown["terms"] = _Terms(shown["terms"], self.inputs)
         params = " {" + ", ".join(f"{k}={_short(v)}" for k, v in shown.items()) + "}" if shown else ""
         return f"%{self.name} = {self.op}({args}){params} [{self.scope}]"
 
 
 class _Terms(tuple):
-    """Reward terms shown as ``0.1*length + 0.9*diversity``."""
+    """Reward terms shown as ``0.1*length + 0.9*diversity``; a step term as ``0.2*fmt@%turn_1``."""
+
+    def __new__(cls, terms, inputs: tuple[str, ...] = ()):
+        obj = super().__new__(cls, terms)
+        obj.inputs = inputs
+        return obj
 
     def __str__(self) -> str:
         parts = []
         for t in self:
-            target = f"@step{t['step']}" if "step" in t else ""
+            target = f"@%{self.inputs[t['step']]}" if "step" in t and t["step"] < len(self.inputs) else ""
             parts.append(f"{t['weight']:g}*{t['label']}{target}")
         return " + ".join(parts)
 

@@ -91,7 +91,7 @@ async def test_an_episode_past_its_deadline_still_ends_its_tool_state():
     toolbox = mcp_tools(FAULTY, isolation="episode", pool_size=1)
     async with toolbox:
         episodes, compiled = await rollout(toolbox, "hang", {}, tool_timeout_s=60, episode_timeout_s=2)
-        assert all("episode exceeded episode_timeout_s=2" in ep.error for ep in episodes)
+        assert all("episode exceeded episode_timeout_s=2" in str(ep.error) for ep in episodes)
         assert toolbox._backends[0].episodes == {}  # both episodes' handles were ended
 
 
@@ -136,13 +136,14 @@ async def test_max_tool_output_tokens_bounds_the_tool_turn():
 @pytest.mark.parametrize("bad", [0, -1])
 def test_max_tool_output_tokens_is_validated(bad):
     with pytest.raises(ml.ConfigError, match="max_tool_output_tokens"):
-        CompileOptions(max_tool_output_tokens=bad)
+        CompileOptions.from_kwargs(max_tool_output_tokens=bad)
 
 
 def test_a_config_builds_its_toolbox_with_the_configured_tool_timeout():
     from materl.runtime.config import validate_config
-    from materl.runtime.train import _recipe_from_config
+    from materl.runtime.resolve import resolve_recipe
 
     cfg = validate_config({"recipe": "grpo_tools", "compile": {"tool_timeout_s": 7.5, "max_tool_output_tokens": 99}})
-    toolbox = next(n.params["tools"] for n in _recipe_from_config(cfg).nodes if n.op == "call_tools")
+    recipe = resolve_recipe(cfg.recipe, tools=cfg.tools, tool_timeout_s=cfg.compile_options().tool_timeout_s)
+    toolbox = next(n.params["tools"] for n in recipe.nodes if n.op == "call_tools")
     assert toolbox.timeout_s == 7.5 and cfg.compile_options().max_tool_output_tokens == 99

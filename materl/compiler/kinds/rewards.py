@@ -260,7 +260,7 @@ def check_rewards(node: Node, info) -> list[str]:
     for term in node.params["terms"]:
         if "step" in term:
             producer = info.producer(node.inputs[term["step"]])
-            if producer is not None and producer.op != "generate_step":
+            if producer is not None and producer.op not in ("generate_step", "call"):
                 problems.append(f"reward {term['label']!r} has step={node.inputs[term['step']]!r}, a {producer.op} "
                                 f"value, so it would land nowhere; step= takes a generate_step value (the turn "
                                 f"whose last token receives the reward)")

@@ -95,9 +95,10 @@ def check_generate_step(node: Node, info) -> list[str]:
 
 
 def check_call_tools(node: Node, info) -> list[str]:
+    """call_tools runs a model turn's calls: it reads a generate_step (or a custom op's value)."""
     step_ref = next(r for r in node.inputs if not r.startswith("@"))
     prev = info.producer(step_ref)
-    if prev is not None and prev.op != "generate_step":
+    if prev is not None and prev.op not in ("generate_step", "call"):
         return [f"call_tools {node.name!r} reads {step_ref!r} (op {prev.op}); it runs the tool calls of a "
                 f"generate_step: ml.call_tools(<a generate_step value>, tools=toolbox)"]
     return []
