@@ -21,13 +21,13 @@ import torch
 
 from materl import compute
 from materl.compiler.context import AgentSpec, Mode, Run, StepContext
-from materl.compiler.episode import Episode
+from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
-from materl.compiler.scheduler import rollout_stage
+from materl.compiler.scheduler import plan_toolboxes, rollout_stage
 from materl.compiler.spec import Kind, Role, output_of
 from materl.errors import CompileError
 from materl.graph.node import Recipe
@@ -117,18 +117,9 @@ class Compiled:
         for toolbox in started:
             await toolbox.aclose()
 
-    def toolboxes(self) -> list:
-        """The Toolboxes the plan's nodes hold (``tools=`` of generate_step and call_tools)."""
-        found = []
-        for node in self.plan.nodes.values():
-            tb = node.params.get("tools")
-            if hasattr(tb, "start") and hasattr(tb, "execute") and tb not in found:
-                found.append(tb)
-        return found
-
     async def start_tools(self) -> list:
         """Start the plan's toolboxes that are not running; returns all of them."""
-        boxes = self.toolboxes()
+        boxes = plan_toolboxes(self.plan)
         for toolbox in boxes:
             if not toolbox.started:
                 await toolbox.start()
@@ -151,7 +142,7 @@ class Compiled:
         """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
         toolboxes = await self.start_tools()
         ctx = self.context("eval" if greedy else "train")
-        episodes = self.make_episodes(ctx, prompts, columns, group_size or self.options.group_size)
+        episodes = make_episodes(ctx, prompts, columns, group_size or self.options.group_size)
         self.timings["stage/rollout"] = await rollout_stage(Run(ctx, self.agents, tuple(toolboxes)), episodes,
                                                             on_episode=on_episode)
         return episodes
@@ -186,36 +177,6 @@ class Compiled:
     def episodes_per_prompt(self) -> int:
         """group_size for recipes that generate; 1 for offline ones (DPO pairs)."""
         return self.options.group_size if self.plan.generates() else 1
-
-    def make_episodes(self, ctx: StepContext, prompts, columns: dict, group_size: int) -> list[Episode]:
-        data_inputs = [n.name for n in self.recipe.nodes if self.plan.role(n.name) is Role.DATA]
-        if prompts is None:
-            if len(data_inputs) == 1 and data_inputs[0] in columns:
-                prompts = columns.pop(data_inputs[0])
-            else:
-                raise CompileError(f"run() needs the recipe's data input(s): {', '.join(data_inputs)}")
-        rows = list(prompts)
-        for k, v in columns.items():
-            if len(v) != len(rows):
-                raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
-        generates = self.plan.generates()
-        g = group_size if generates else 1
-        episodes = []
-        for p, row in enumerate(rows):
-            cols = {k: v[p] for k, v in columns.items()}
-            prompt = row
-            if isinstance(row, dict) and generates:
-                cols = {**{k: v for k, v in row.items() if k not in ("prompt", "messages")}, **cols}
-                prompt = row.get("prompt", row.get("messages"))
-            gid = cols.get("id", p)
-            for j in range(g):
-                idx = p * g + j
-                seed = self.options.seed * 1_000_003 + ctx.step * 100_003 + idx
-                ep = Episode(idx, p, gid, prompt, cols, seed, uid=f"{ctx.rollout_id}-{idx}")
-                for name in data_inputs:
-                    ep.store(name, prompt if len(data_inputs) == 1 else row[name])
-                episodes.append(ep)
-        return episodes
 
     def rollout_metrics(self, episodes: list[Episode]) -> dict[str, float]:
         ok = [e for e in episodes if e.error is None]

@@ -35,6 +35,16 @@ class AgentSpec:
     engine: str
     engine_options: tuple[tuple[str, Any], ...] = ()
 
+    def build(self):
+        """A fresh ``ml.Agent`` like the one described (its weights load when first used)."""
+        from materl.agent import Agent
+
+        if self.source is None:
+            raise ValueError(f"agent {self.name!r} was built from a module object; another process cannot rebuild it")
+        return Agent(self.source, trainable=self.trainable, engine=self.engine, head=self.head,
+                     lora=dict(self.lora) if self.lora else None, engine_options=dict(self.engine_options),
+                     name=self.name)
+
     @classmethod
     def of(cls, agent: Any) -> AgentSpec:
         lora = tuple(sorted(agent.lora.items())) if agent.lora else None

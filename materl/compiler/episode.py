@@ -71,6 +71,45 @@ class Episode:
         return as_rollout(self.resolve(name))
 
 
+def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequence[Any]], group_size: int) -> list[Episode]:
+    """The episodes of one rollout: ``group_size`` per prompt for recipes that generate (one for
+    offline data), each with its row's other columns, a seed from (options.seed, step, index)
+    and a uid unique in the process. A prompt row that is a dict gives its ``prompt`` or
+    ``messages`` as the prompt and its other keys as columns."""
+    from materl.compiler.spec import Role
+
+    plan = ctx.plan
+    columns = dict(columns)
+    data_inputs = [n.name for n in plan.recipe.nodes if plan.role(n.name) is Role.DATA]
+    if prompts is None:
+        if len(data_inputs) == 1 and data_inputs[0] in columns:
+            prompts = columns.pop(data_inputs[0])
+        else:
+            raise CompileError(f"run() needs the recipe's data input(s): {', '.join(data_inputs)}")
+    rows = list(prompts)
+    for k, v in columns.items():
+        if len(v) != len(rows):
+            raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
+    generates = plan.generates()
+    g = group_size if generates else 1
+    episodes = []
+    for p, row in enumerate(rows):
+        cols = {k: v[p] for k, v in columns.items()}
+        prompt = row
+        if isinstance(row, dict) and generates:
+            cols = {**{k: v for k, v in row.items() if k not in ("prompt", "messages")}, **cols}
+            prompt = row.get("prompt", row.get("messages"))
+        gid = cols.get("id", p)
+        for j in range(g):
+            idx = p * g + j
+            seed = ctx.options.seed * 1_000_003 + ctx.step * 100_003 + idx
+            ep = Episode(idx, p, gid, prompt, cols, seed, uid=f"{ctx.rollout_id}-{idx}")
+            for name in data_inputs:
+                ep.store(name, prompt if len(data_inputs) == 1 else row[name])
+            episodes.append(ep)
+    return episodes
+
+
 def as_rollout(x: Any) -> Rollout:
     if isinstance(x, Rollout):
         return x

@@ -24,7 +24,7 @@ import anyio
 import anyio.lowlevel
 
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode, split
+from materl.compiler.episode import Episode, make_episodes, split
 from materl.compiler.failures import Failure
 from materl.compiler.spec import spec_of
 from materl.errors import StepTimeoutError
@@ -48,17 +48,7 @@ async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
     out = run.plan.impl(name).batch(run, node, eps, inputs)
     if inspect.isawaitable(out):
         out = await out
-    values = split(out, len(eps), what=f"op {_label(node)} (node {name!r})")
-    for ep, value in zip(eps, values):
-        check_value(run, name, ep, value)
-    return values
-
-
-def check_value(run: Run, name: str, ep: Episode, value: Any) -> None:
-    """A value against its op's spec (per-token values as long as the episode's completion)."""
-    spec = spec_of(run.plan.nodes[name])
-    if spec.validate is not None:
-        spec.validate(run, run.plan.nodes[name], ep, value)
+    return split(out, len(eps), what=f"op {_label(node)} (node {name!r})")
 
 
 def _label(node) -> str:
@@ -119,7 +109,6 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
                 elif impl.episode is not None:
                     args = [ep.resolve(ref) for ref in node.inputs if not ref.startswith("@")]
                     value = await impl.episode(run, node, ep, *args)
-                    check_value(run, name, ep, value)
                 else:
                     value = (await call_batch(run, name, [ep]))[0]
                 ep.timings[name] = time.perf_counter() - t0
@@ -133,6 +122,28 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
         with anyio.CancelScope(shield=True):
             for toolbox in run.toolboxes:  # per-episode tool state ends with the episode
                 await toolbox.end_episode(ep.uid)
+
+
+def plan_toolboxes(plan) -> list:
+    """The Toolboxes a plan's nodes hold (``tools=`` of generate_step and call_tools nodes)."""
+    found = []
+    for node in plan.nodes.values():
+        tb = node.params.get("tools")
+        if hasattr(tb, "start") and hasattr(tb, "execute") and tb not in found:
+            found.append(tb)
+    return found
+
+
+async def rollout_from_context(ctx, agents, prompts, columns=None, *,
+                               on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """What a rollout worker runs: the plan's toolboxes started here (its own servers, e.g. in
+    another process from a pickled context), the episodes built, the rollout stage run."""
+    toolboxes = plan_toolboxes(ctx.plan)
+    for toolbox in toolboxes:
+        await toolbox.start()
+    episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size)
+    await rollout_stage(Run(ctx, agents, tuple(toolboxes)), episodes, on_episode=on_episode)
+    return episodes
 
 
 async def rollout_stage(run: Run, episodes: list[Episode], *,

@@ -5,7 +5,8 @@
     impl, notes = OPS.get("policy_loss").choose(node, options)   # the implementation that runs
 
 A spec holds the kind's role (how the planner and stages treat it), its named outputs with their
-shapes (``%advantages.returns`` reads a named output; outputs are validated at run time), its
+shapes (``%advantages.returns`` reads a named output; a group or batch result must have one row
+per episode, checked when it is split), its
 implementations in order of preference with the rule that admits each (data, in the spirit of
 autodidax's impl rules: ops never decide where they run), its locality (whether a batch call
 over several episodes equals one call per episode, so the scheduler may batch them), and its
@@ -91,7 +92,6 @@ class OpSpec:
     always_runs: bool = False  # kept when no loss reads it (filters act by dropping episodes)
     without_reference: Callable[[Node], Node] | None = None  # the node when reference="none"
     describe: Callable[[Node, str], str] | None = None  # an extra line for explain() (impl name given)
-    validate: Callable[[Any, Node, Any, Any], None] | None = None  # (run, node, episode, value): raise if wrong
     doc: str = ""
 
     def output(self, name: str | None = None) -> Output:

@@ -39,6 +39,9 @@ class Node:
     def __post_init__(self):
         object.__setattr__(self, "params", MappingProxyType(dict(self.params)))
 
+    def __reduce__(self):  # a read-only mapping does not pickle; its dict does
+        return Node, (self.name, self.op, self.inputs, dict(self.params), self.scope, self.outputs)
+
     @property
     def input_nodes(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(ref_node(r) for r in self.inputs if not r.startswith("@")))
@@ -108,6 +111,10 @@ class Recipe:
 
     def __post_init__(self):
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+    def __reduce__(self):
+        return Recipe, (self.name, self.params, self.agents, self.nodes, self.losses, dict(self.defaults),
+                        self.origin, self.doc)
 
     @property
     def node_map(self) -> dict[str, Node]:

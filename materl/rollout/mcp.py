@@ -259,6 +259,12 @@ class Toolbox:
     def __repr__(self) -> str:
         return f"Toolbox({', '.join(b.name for b in self._backends)})"
 
+    def __reduce__(self):
+        """A Toolbox travels (to a rollout worker) as its description: the receiver starts its
+        own servers."""
+        return _rebuild_toolbox, (self._servers, dict(timeout_s=self.timeout_s, max_output_bytes=self.max_output_bytes,
+                                                      separator=self.separator, **self._settings))
+
     def _build_backends(self) -> None:
         """One backend per server (fresh: no process started yet)."""
         st, timeout_s = self._settings, self.timeout_s
@@ -473,3 +479,7 @@ def _unknown_tool(name: Any, valid: list[str]) -> str:
     msg = f"unknown tool {name!r}; available tools: {', '.join(valid) or '(none)'}"
     close = difflib.get_close_matches(str(name), valid, n=1, cutoff=0.6)
     return msg + (f". Did you mean {close[0]!r}?" if close else "")
+
+
+def _rebuild_toolbox(servers: Sequence[Source], settings: dict[str, Any]) -> Toolbox:
+    return Toolbox(servers, **settings)
