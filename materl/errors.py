@@ -65,3 +65,7 @@ class StepFailedError(MaterlError, RuntimeError):
 
 class StepTimeoutError(MaterlError, TimeoutError):
     """An episode, tool call or step ran past its time limit."""
+
+
+class RecipeWarning(UserWarning):
+    """A recipe that runs but probably does not mean what it says (e.g. inputs a node ignores)."""

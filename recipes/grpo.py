@@ -20,5 +20,5 @@ def grpo(policy, ref_policy, prompts):
     policy_logprobs = ml.logprobs(policy, prompts, completions, name="policy_logprobs")
     ref_logprobs = ml.logprobs(ref_policy, prompts, completions, name="ref_logprobs")
     rewards = ml.reward("length", weight=0.1) + ml.reward("diversity", weight=0.9)
-    advantages = ml.advantages(rewards, ref_logprobs, policy_logprobs, name="advantages")
+    advantages = ml.advantages(rewards, name="advantages")
     ml.set_loss(ml.grpo_loss(advantages, policy_logprobs, ref_logprobs))

@@ -6,14 +6,33 @@ Hyperparameters left as ``None`` are filled at compile time from the compile opt
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from materl.errors import RecipeError
+from materl.errors import RecipeError, RecipeWarning
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 
 
 def _given(**kw: Any) -> dict[str, Any]:
     return {k: v for k, v in kw.items() if v is not None}
+
+
+def _check_tools(tools: Any, what: str, *, schemas_ok: bool) -> None:
+    """``tools=`` is a Toolbox (``ml.mcp_tools(...)``); generate_step also takes OpenAI function
+    specs (dicts) or None. A server command line is not a Toolbox."""
+    if tools is None and schemas_ok:
+        return
+    if hasattr(tools, "execute") and hasattr(tools, "start"):
+        return
+    if schemas_ok and isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools):
+        return
+    example = ""
+    if isinstance(tools, str) or (isinstance(tools, (list, tuple)) and tools and all(isinstance(t, str) for t in tools)):
+        servers = [tools] if isinstance(tools, str) else list(tools)
+        example = f"; write tools=ml.mcp_tools({', '.join(repr(t) for t in servers)})"
+    accepted = "a Toolbox (ml.mcp_tools(...)), OpenAI function specs or None" if schemas_ok else \
+        "a Toolbox (ml.mcp_tools(...))"
+    raise RecipeError(f"{what}(tools=...) takes {accepted}, got {tools!r}{example}")
 
 
 # -- rollout (episode scope) ------------------------------------------------------------------
@@ -40,6 +59,7 @@ def generate_step(agent, history, tool_responses=None, *, name: str | None = Non
     call. ``parser``: the tool-call format (``"auto"``: the one the model's chat template declares;
     see ``materl.rollout.parsers``). The result has ``.tool_requests``, ``.history``, ``.text``,
     ``.token_ids``, ``.logprobs``."""
+    _check_tools(tools, "ml.generate_step", schemas_ok=True)
     b = active_builder("ml.generate_step")
     a = b.agent(agent, "ml.generate_step")
     inputs = [a, history] + ([tool_responses] if tool_responses is not None else [])
@@ -125,6 +145,11 @@ def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: s
         if ref_logprobs is None or policy_logprobs is None:
             raise RecipeError("ml.advantages(kl_coef>0) needs ref_logprobs and policy_logprobs")
         inputs += [ref_logprobs, policy_logprobs]
+    elif ref_logprobs is not None or policy_logprobs is not None:
+        warnings.warn(RecipeWarning(
+            f"ml.advantages in recipe {b.name!r}: ref_logprobs/policy_logprobs are read only with kl_coef > 0 "
+            f"(a KL penalty in the reward); they are not inputs here. Drop them, or pass kl_coef= for the "
+            f"penalty (a KL term in the loss is the policy loss's kl_coef)"), stacklevel=2)
     params = {"estimator": estimator, **hparams, **({"kl_coef": kl_coef, "kl": kl} if kl_coef else {})}
     return b.add("advantages", inputs, _given(**params), scope="group", name=name, default_name="advantages")
 
@@ -138,7 +163,7 @@ def gae_advantages(rewards, values, *, gamma: float = 1.0, lam: float = 1.0, nam
 
 
 def _scored(b, what: str) -> Value:
-    latest = b.latest_completions()
+    latest = b.latest_completions(what)
     if latest is None:
         raise RecipeError(f"{what} needs generated completions earlier in recipe {b.name!r}")
     return latest
@@ -249,6 +274,7 @@ def call_tools(step, *, tools, name: str | None = None) -> Value:
     concurrently; the result is the list of ToolResults for the next ``generate_step``. Failures
     (unknown tool, bad arguments, timeouts, crashed servers) are tool results with an error, never
     exceptions."""
+    _check_tools(tools, "ml.call_tools", schemas_ok=False)
     b = active_builder("ml.call_tools")
     return b.add("call_tools", [step], {"tools": tools}, scope="episode", name=name, default_name="tool_results",
                  fixed_scope=True)

@@ -17,6 +17,10 @@ from materl.graph.node import Node, Recipe, Scope, max_scope, ref_node
 
 _BUILDER: contextvars.ContextVar[Builder | None] = contextvars.ContextVar("materl_builder", default=None)
 
+# The ops whose value is an episode's rollout (the compiler's op table gives them Role.ROLLOUT;
+# tests/compiler/test_spec.py checks the two agree).
+ROLLOUT_OPS = ("generate", "generate_step", "structure_rollout", "env_rollout")
+
 
 class Value:
     """A symbolic result: node ``node`` and a field path (``completions.text``)."""
@@ -271,7 +275,7 @@ class Builder:
         return expr.value
 
     def _default_scored(self, term: RewardTerm) -> str:
-        latest = self.latest_completions()
+        latest = self.latest_completions(f"reward {term.label()!r}")
         if latest is None:
             raise RecipeError(
                 f"reward {term.label()!r} in recipe {self.name!r} has nothing to score: no generate "
@@ -279,12 +283,19 @@ class Builder:
             )
         return latest.ref
 
-    def latest_completions(self) -> Value | None:
-        """The value rewards score when not wired with rollout=: the last generated output."""
-        for n in reversed(self.nodes):
-            if n.op in ("structure_rollout", "generate", "generate_step", "env_rollout"):
-                return Value(n.name)
-        return None
+    def latest_completions(self, what: str = "") -> Value | None:
+        """The value rewards and advantages score when not wired with ``rollout=``/``completions=``:
+        the recipe's one rollout. Several rollouts that no later turn continues (two ``generate``
+        nodes, as ReMax has) make that ambiguous: an error saying what to write instead."""
+        producers = [n for n in self.nodes if n.op in ROLLOUT_OPS]
+        continued = {ref_node(r) for n in producers for r in n.inputs}
+        frontier = [n.name for n in producers if n.name not in continued]
+        if len(frontier) > 1:
+            raise RecipeError(
+                f"{what or 'this node'} in recipe {self.name!r} could score any of {', '.join('%' + f for f in frontier)}; "
+                f"wire it to one: rollout=<value> for ml.reward, completions=<value> for ml.advantages"
+            )
+        return Value(producers[-1].name) if producers else None
 
     def freeze(self, *, origin: str = "", doc: str = "") -> Recipe:
         for expr in list(self.pending_rewards):
