@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import materl.engines.sglang_engine  # noqa: F401  (registers "sglang")
-import materl.engines.transformers_engine  # noqa: F401  (registers "transformers")
 from materl import compute
+from materl.engines import ENGINES
 from materl.engines import models as _models
-from materl.engines.base import ENGINES, engine_sleep
+from materl.engines.base import engine_sleep
 from materl.errors import ConfigError
 
 
@@ -203,7 +202,7 @@ class Agent:
     def chat_ids(self, messages: list[dict], *, tools: list | None = None,
                  add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` rendered by the chat template (tool specs Hermes style, see
-        :func:`materl.engines.models.chatml_tools_template`), as a flat list of ints."""
+        :func:`materl.engines.chat.chatml_tools_template`), as a flat list of ints."""
         out = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=True
         )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from materl import compute
+from materl.agent import Agent
 from materl.compiler.context import AgentSpec, Mode, Run, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
@@ -28,9 +29,10 @@ from materl.compiler.loop import LoopThread
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
 from materl.compiler.scheduler import plan_toolboxes, rollout_stage
-from materl.compiler.spec import Kind, Role, output_of
+from materl.compiler.spec import Kind, output_of
 from materl.errors import CompileError
 from materl.graph.node import Recipe
+from materl.ops.reference import make_reference_policy
 
 _ROLLOUTS = itertools.count()  # rollout calls in this process: part of every episode's uid
 
@@ -51,7 +53,6 @@ def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the publ
 
 
 def _is_agent(x: Any) -> bool:
-    from materl.agent import Agent
 
     return isinstance(x, Agent)
 
@@ -237,8 +238,6 @@ class Compiled:
 
     def _reference_pairs(self) -> list:
         """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one."""
-        from materl.ops.reference import make_reference_policy
-
         trainable = [n for n, a in self.agents.items() if a.trainable and getattr(a, "head", None) != "value"]
         used = {a for name in self.plan.order for a in self.plan.nodes[name].agents}
         pairs = []

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from materl.agent import Agent
 from materl.compiler.options import CompileOptions
 from materl.engines.base import SamplingParams
 from materl.graph.node import Node
@@ -26,7 +27,6 @@ Mode = Literal["train", "eval"]
 @dataclass(frozen=True)
 class AgentSpec:
     """How to build an agent in another process: the model, trainable or not, head, LoRA, engine."""
-
     name: str
     source: str | None  # a named model or folder; None for an agent built from a module object
     trainable: bool
@@ -37,8 +37,6 @@ class AgentSpec:
 
     def build(self):
         """A fresh ``ml.Agent`` like the one described (its weights load when first used)."""
-        from materl.agent import Agent
-
         if self.source is None:
             raise ValueError(f"agent {self.name!r} was built from a module object; another process cannot rebuild it")
         return Agent(self.source, trainable=self.trainable, engine=self.engine, head=self.head,
@@ -72,7 +70,6 @@ class StepContext:
 @dataclass(frozen=True)
 class Run:
     """A step context plus this process's agents and started toolboxes (never pickled)."""
-
     ctx: StepContext
     agents: Mapping[str, Any]
     toolboxes: tuple[Any, ...] = ()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from materl.compiler.spec import Kind
+from materl.compiler.spec import Kind, Role
 from materl.errors import CompileError, ShapeError
 from materl.rollout.episode import EpisodeState, StepResult
 from materl.rollout.types import Rollout
@@ -25,7 +25,6 @@ from materl.rollout.types import Rollout
 
 class Outputs(dict):
     """A node's named outputs (``{"advantages": ..., "returns": ...}``); the first is its value."""
-
     @property
     def default(self) -> Any:
         return next(iter(self.values()))
@@ -76,8 +75,6 @@ def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequenc
     offline data), each with its row's other columns, a seed from (options.seed, step, index)
     and a uid unique in the process. A prompt row that is a dict gives its ``prompt`` or
     ``messages`` as the prompt and its other keys as columns."""
-    from materl.compiler.spec import Role
-
     plan = ctx.plan
     columns = dict(columns)
     data_inputs = [n.name for n in plan.recipe.nodes if plan.role(n.name) is Role.DATA]
@@ -121,7 +118,6 @@ def as_rollout(x: Any) -> Rollout:
 
 class RolloutBatch(list):
     """A list of Rollouts whose attributes project over its items (``batch.text`` -> list[str])."""
-
     def __getattr__(self, attr: str):
         if attr.startswith("_"):
             raise AttributeError(attr)

@@ -15,6 +15,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from materl.errors import ConfigError
+from materl.ops.advantages import ADVANTAGES
+from materl.ops.reference import REFERENCE_POLICIES
 from materl.validation import describe
 
 
@@ -72,7 +74,6 @@ class CompileOptions(BaseModel):
     @field_validator("advantage")
     @classmethod
     def _advantage(cls, v: str | None) -> str | None:
-        from materl.ops.advantages import ADVANTAGES
 
         if v is not None and v not in ADVANTAGES:
             raise ValueError(ADVANTAGES.unknown_message(v))
@@ -81,7 +82,6 @@ class CompileOptions(BaseModel):
     @field_validator("reference")
     @classmethod
     def _reference(cls, v: str) -> str:
-        from materl.ops.reference import REFERENCE_POLICIES
 
         if v not in REFERENCE_POLICIES:
             raise ValueError(REFERENCE_POLICIES.unknown_message(v))

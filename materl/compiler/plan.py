@@ -23,6 +23,7 @@ from materl.compiler.spec import RecipeInfo, Role, spec_of
 from materl.errors import CompileError
 from materl.graph.lint import topo_order
 from materl.graph.node import Node, Recipe, ref_node
+from materl.ops.reference import REFERENCE_POLICIES
 
 STAGES = ("episode", "group", "prepare", "update")
 
@@ -147,8 +148,6 @@ def _check(recipe: Recipe, nodes: dict[str, Node], agents: dict[str, Any]) -> No
 def _resolve_defaults(recipe: Recipe, options: CompileOptions) -> dict[str, Node]:
     """Fill choices left to compile time: the default advantage estimator, and with a reference
     policy that uses no reference model (``reference="none"``), the KL terms dropped."""
-    from materl.ops.reference import REFERENCE_POLICIES
-
     default_adv = options.advantage or recipe.defaults.get("advantage") or "grpo"
     uses_reference = REFERENCE_POLICIES.get(options.reference).uses_reference
     nodes = {}

@@ -8,18 +8,13 @@ A named model is built once into a cache folder (``~/.cache/materl/models/<name>
 with ``MATERL_CACHE_DIR`` or ``cache_dir=``), written atomically (temp folder + rename), and every
 later load is a plain ``from_pretrained`` of that folder. Nothing is ever fetched from a model hub.
 
-Both named models use one chat template (:data:`CHATML_TOOLS_TEMPLATE`): ChatML turns, tool
-specs rendered Hermes style into the system message, assistant tool calls as
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` and tool results as ``tool``
-turns wrapping ``<tool_response>\\n...\\n</tool_response>`` (the Qwen2.5 / Hermes-2-Pro
-conventions, which tool-call parsers expect).
+Both named models use one chat template (``materl.engines.chat``). The helpers that run a
+loaded model (hidden states, LM head, LoRA merging, ...) are in ``materl.engines.hf``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.util
-import inspect
 import json
 import os
 import shutil
@@ -32,6 +27,17 @@ from typing import Any
 import torch
 
 from materl.engines import tiny as _tiny
+from materl.engines.chat import chatml_tools_template
+from materl.engines.hf import (  # noqa: F401  (re-exported: the model helpers callers know from here)
+    backbone_hidden_states,
+    cache_kwargs,
+    causal_lm_of,
+    output_embedding,
+    position_ids_from_mask,
+    quiet_loading,
+    shared_prefix_hidden_states,
+)
+from materl.engines.value_head import ValueHeadModel
 from materl.errors import ConfigError, ModelNotFoundError
 from materl.registry import Registry
 
@@ -48,61 +54,6 @@ DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 LORA_KEYS = ("r", "alpha", "dropout", "targets")
 HEADS = ("value",)
 
-_TOOLS_PREAMBLE = (
-    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>"
-)
-_TOOLS_POSTAMBLE = (
-    "\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>'
-)
-
-
-def chatml_tools_template(default_system: str | None = None) -> str:
-    """A ChatML chat template that renders ``tools=`` and ``tool`` messages, Hermes style.
-
-    System turn: the first system message (or ``default_system``), then, when tools are given,
-    the ``# Tools`` block listing one JSON spec per line inside ``<tools></tools>``. Assistant
-    turns render their content then each tool call as ``<tool_call>\\n{json}\\n</tool_call>``
-    (OpenAI ``{"function": {...}}`` wrappers and JSON-string arguments are both accepted).
-    Tool turns render as ``<|im_start|>tool\\n<tool_response>\\n...\\n</tool_response><|im_end|>``.
-    (Qwen2.5 puts tool responses in a ``user`` turn; materl keeps a ``tool`` role so a tool
-    step's tokens are recognisable.)
-    """
-    default = json.dumps(default_system) if default_system else "none"
-    return (
-        "{%- set sys_msg = messages[0]['content'] if (messages and messages[0]['role'] == 'system') else "
-        + default + " %}"
-        "{%- if tools %}"
-        "{{- '<|im_start|>system\\n' }}{%- if sys_msg %}{{- sys_msg + '\\n\\n' }}{%- endif %}"
-        "{{- '" + _TOOLS_PREAMBLE + "' }}"
-        "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-        "{{- '" + _TOOLS_POSTAMBLE + "<|im_end|>\\n' }}"
-        "{%- elif sys_msg %}{{- '<|im_start|>system\\n' + sys_msg + '<|im_end|>\\n' }}{%- endif %}"
-        "{%- for message in messages %}"
-        "{%- if message['role'] == 'system' and loop.first %}"
-        "{%- elif message['role'] == 'assistant' %}"
-        "{{- '<|im_start|>assistant\\n' }}{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
-        "{%- for tc in (message['tool_calls'] if message['tool_calls'] is defined and message['tool_calls'] else []) %}"
-        "{%- if tc['function'] is defined %}{%- set tc = tc['function'] %}{%- endif %}"
-        "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-        "{{- '<tool_call>\\n{\"name\": \"' + tc['name'] + '\", \"arguments\": ' }}"
-        "{%- if tc['arguments'] is string %}{{- tc['arguments'] }}{%- else %}{{- tc['arguments'] | tojson }}{%- endif %}"
-        "{{- '}\\n</tool_call>' }}"
-        "{%- endfor %}"
-        "{{- '<|im_end|>\\n' }}"
-        "{%- elif message['role'] == 'tool' %}"
-        "{{- '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
-        "{%- else %}"
-        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-        "{%- endif %}"
-        "{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-    )
-
-
-CHATML_TOOLS_TEMPLATE = chatml_tools_template()
 
 # name -> builder(folder): writes an HF-format model + tokenizer into an empty folder.
 NAMED_MODELS: Registry[Callable[[Path], None]] = Registry("model")
@@ -259,8 +210,6 @@ def load_model(
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if head == "value":
-        from materl.engines.value_head import ValueHeadModel
-
         model = ValueHeadModel.wrap(model, folder=folder)
     return model, tokenizer
 
@@ -326,108 +275,3 @@ def lora_merged(model):
 
 
 # ----------------------------------------------------------------------------- backbone access
-
-
-@contextmanager
-def quiet_loading():
-    """transformers' "Loading weights" progress bar off while materl loads a model (restored
-    after), and peft's use of transformers' deprecated ``is_gradient_checkpointing`` not shown:
-    neither is something a materl user can act on."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
-            yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def cache_kwargs(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """``{"cache": cache}`` for models whose forward takes ``cache`` (transformers >= 5.2x),
-    ``{"past_key_values": cache}`` for older ones, which then need no deprecation warning."""
-    return {_cache_kwarg(type(module)): cache}
-
-
-@functools.cache
-def _cache_kwarg(cls: type) -> str:
-    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
-
-
-def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
-    """The HF causal LM inside ``model`` (unwrapping a value head and a peft wrapper; peft's
-    LoRA layers live inside the base model's modules, so they stay active)."""
-    model = getattr(model, "backbone", model)  # ValueHeadModel
-    get_base = getattr(model, "get_base_model", None)  # PeftModel
-    return get_base() if callable(get_base) else model
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that ignore padding: ``cumsum(mask) - 1`` clamped at 0, shape (B, L).
-
-    Left- and right-padded batches then get the same positions for the same real tokens, which
-    is what the generation engine uses (HF ``generate`` does the same for left padding).
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow."""
-    decoder = causal_lm_of(model).get_decoder()
-    out = decoder(
-        input_ids=input_ids, attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    )
-    return out.last_hidden_state
-
-
-def shared_prefix_hidden_states(
-    model,
-    prefix_ids: torch.Tensor,
-    prefix_mask: torch.Tensor,
-    owner: torch.Tensor,
-    suffix_ids: torch.Tensor,
-    suffix_mask: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hidden states of rows that share prompts, each distinct prompt run once; gradients flow.
-
-    prefix_ids/mask (U, P): the distinct prompts, right-padded; owner (B,): which prefix row b
-    continues; suffix_ids/mask (B, S): row b's tokens after its prompt, right-padded.
-    Returns ``(last_prefix_B_H, suffix_B_S_H)``: the hidden state at row b's last prompt token
-    (it predicts the first suffix token) and at every suffix token.
-
-    The prefix pass fills a KV cache; its keys/values are indexed by ``owner`` (so backward sums
-    the gradients of every row that read them) and the suffix pass attends to them, with
-    positions continuing from each prompt's length. The result equals running every row's full
-    sequence (up to float summation order) at the cost of U*P + B*S tokens instead of B*(P+S):
-    a GRPO group of G samples pays for its prompt once, not G times. Right padding everywhere,
-    so no query row is fully masked (the middle gap of short prompts is masked out).
-    """
-    from transformers import DynamicCache
-
-    lm = causal_lm_of(model)
-    decoder = lm.get_decoder()
-    cache = DynamicCache(config=lm.config)
-    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
-                     position_ids=position_ids_from_mask(prefix_mask), use_cache=True, **cache_kwargs(decoder, cache))
-    prompt_len_B = prefix_mask.sum(-1)[owner]
-    last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
-    if suffix_ids.shape[1] == 0:
-        return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
-    cache.batch_select_indices(owner)
-    steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
-    suffix = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
-                     position_ids=prompt_len_B[:, None] + steps_S[None, :], use_cache=True,
-                     **cache_kwargs(decoder, cache))
-    return last_B_H, suffix.last_hidden_state
-
-
-def output_embedding(model) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The LM head as ``(weight (V, H), bias (V,) or None)``: logits = hidden @ weight.T + bias."""
-    head = causal_lm_of(model).get_output_embeddings()
-    return head.weight, getattr(head, "bias", None)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from materl.engines.chat import CHATML_TOOLS_TEMPLATE
+
 
 def build_tiny_random(folder: Path, *, seed: int = 0) -> None:
     """A 2-layer random Llama (hidden 64, 4 heads, vocab 512) and a byte-level tokenizer, built
@@ -44,7 +46,6 @@ def byte_tokenizer(vocab_size: int = 512):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from materl.engines.models import CHATML_TOOLS_TEMPLATE  # (models imports this module)
 
     byte_chars = _bytes_to_unicode()
     tok = Tokenizer(models.BPE(vocab={byte_chars[b]: b for b in range(256)}, merges=[]))

@@ -50,7 +50,6 @@ from materl.engines.kv_cache import decode_cache
 from materl.engines.models import cache_kwargs, causal_lm_of
 from materl.errors import ConfigError, EngineError
 
-
 SETTLE_PASSES = 2  # loop passes without a new request before a batch is closed
 
 

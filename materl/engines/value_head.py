@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from materl.engines.models import backbone_hidden_states, causal_lm_of
+from materl.engines.hf import backbone_hidden_states, causal_lm_of
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 _INIT_SEED = 0

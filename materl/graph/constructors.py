@@ -11,6 +11,12 @@ from typing import Any
 
 from materl.errors import RecipeError, RecipeWarning
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
+from materl.ops.advantages import ADVANTAGES
+from materl.ops.aggregate import LOSS_AGG
+from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
+from materl.ops.losses import POLICY_LOSSES
+from materl.ops.preference import PREFERENCE_LOSSES
+from materl.ops.rewards import REWARDS
 
 
 def _given(**kw: Any) -> dict[str, Any]:
@@ -101,7 +107,6 @@ def reward(fn, *, weight: float = 1.0, rollout=None, step=None, name: str = "", 
     becomes one ``rewards`` node. ``rollout=`` picks what it scores (default: the latest generated
     output); ``step=`` scores one generate step and puts the reward on that step's last token."""
     if isinstance(fn, str):
-        from materl.ops.rewards import REWARDS
 
         REWARDS.get(fn)  # unknown names fail here, at recipe time, with a suggestion
     elif not callable(fn):
@@ -136,7 +141,6 @@ def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: s
     ``completions`` gives the token mask; default: the latest generated output."""
     b = active_builder("ml.advantages")
     if estimator is not None:
-        from materl.ops.advantages import ADVANTAGES
 
         ADVANTAGES.get(estimator)
     scored = completions if completions is not None else _scored(b, "ml.advantages")
@@ -191,15 +195,11 @@ def policy_loss(advantages, logprobs, ref_logprobs=None, *, loss: str = "ppo_cli
                 kl: str | None = None, kl_coef: float = 0.0, name: str | None = None, **hparams) -> Value:
     """A registered policy loss, aggregated by a registered mode, plus ``kl_coef * agg(KL)`` when
     reference log-probs are given. Old log-probs are the sampling log-probs of the rollout."""
-    from materl.ops.aggregate import LOSS_AGG
-    from materl.ops.losses import POLICY_LOSSES
-
     POLICY_LOSSES.get(loss)
     LOSS_AGG.get(agg)
     if kl_coef and ref_logprobs is None:
         raise RecipeError(f"policy loss {loss!r} has kl_coef={kl_coef} but no ref_logprobs")
     if kl is not None:
-        from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
 
         KL_ESTIMATORS.get(KL_ALIASES.get(kl, kl))
     b = active_builder("ml.policy_loss")
@@ -246,8 +246,6 @@ def value_loss(values, targets, *, clip_range: float = 0.2, gamma: float = 1.0, 
 def dpo_loss(chosen_logprobs, rejected_logprobs, ref_chosen_logprobs=None, ref_rejected_logprobs=None, *,
              loss: str = "sigmoid", beta: float = 0.1, name: str | None = None, **hparams) -> Value:
     """A registered preference loss over sequence log-probs (DPO and friends)."""
-    from materl.ops.preference import PREFERENCE_LOSSES
-
     PREFERENCE_LOSSES.get(loss)
     b = active_builder("ml.dpo_loss")
     refs = [x for x in (ref_chosen_logprobs, ref_rejected_logprobs) if x is not None]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from materl.graph.node import SCOPE_RANK, Recipe, ref_node
+from typing import TYPE_CHECKING
+
+from materl.graph.refs import SCOPE_RANK, ref_node
+
+if TYPE_CHECKING:
+    from materl.graph.node import Recipe
 
 
 def lint(recipe: Recipe) -> list[str]:

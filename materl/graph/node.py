@@ -11,20 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
-Scope = Literal["episode", "group", "batch"]
-SCOPES: tuple[Scope, ...] = ("episode", "group", "batch")
-SCOPE_RANK = {s: i for i, s in enumerate(SCOPES)}
-
-
-def max_scope(*scopes: Scope) -> Scope:
-    return max(scopes, key=SCOPE_RANK.__getitem__, default="episode")
-
-
-def ref_node(ref: str) -> str:
-    """'completions.text' -> 'completions'; '@policy' -> '@policy'."""
-    return ref.split(".", 1)[0]
+from materl.errors import UnknownNameError
+from materl.graph.lint import lint as _lint
+from materl.graph.refs import SCOPE_RANK, SCOPES, Scope, max_scope, ref_node  # noqa: F401  (re-exported)
 
 
 @dataclass(frozen=True)
@@ -121,8 +112,6 @@ class Recipe:
         return {n.name: n for n in self.nodes}
 
     def node(self, name: str) -> Node:
-        from materl.errors import UnknownNameError
-
         nodes = self.node_map
         if name not in nodes:
             raise UnknownNameError(
@@ -140,9 +129,7 @@ class Recipe:
         return f"recipe {self.name!r}" + (f", {self.origin}" if self.origin else "")
 
     def lint(self) -> list[str]:
-        from materl.graph.lint import lint
-
-        return lint(self)
+        return _lint(self)
 
     def __str__(self) -> str:
         head = f"recipe {self.name}({', '.join(self.params)})"

@@ -11,14 +11,21 @@ from collections.abc import Callable
 from materl.errors import RecipeError, UnknownNameError
 from materl.graph.node import Node, Recipe, ref_node
 from materl.graph.trace import (
-    AgentRef, Builder, Placeholder, RewardExpr, Value, active_builder, signature_params, trace,
+    AgentRef,
+    Builder,
+    Placeholder,
+    RewardExpr,
+    Value,
+    active_builder,
+    signature_params,
+    trace,
 )
+from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
 
 
 def recipe(fn: Callable | None = None, **defaults):
     """Trace ``fn`` into a Recipe. ``@ml.recipe`` or ``@ml.recipe(advantage="dr_grpo", ...)``:
     keyword defaults are used where a constructor leaves a choice to the recipe."""
-
     def build(f: Callable) -> Recipe:
         params = signature_params(f)
         builder = Builder(f.__name__, params=params, defaults=defaults)
@@ -68,8 +75,6 @@ def replace(base: Recipe, node: str, new: Callable[[Graph], Value], *, name: str
 def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, name: str | None = None) -> Recipe:
     """Add (or change) a KL penalty ``coef * agg(KL_estimator(policy || ref))`` on every policy
     loss. Each loss must already read reference log-probs."""
-    from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
-
     KL_ESTIMATORS.get(KL_ALIASES.get(estimator, estimator))
     losses = [n for n in base.nodes if n.op == "policy_loss"]
     if not losses:
@@ -99,7 +104,6 @@ def _finish(builder: Builder, *, origin: str = "", doc: str = "") -> Recipe:
 
 class NodeHandle(Value):
     """``graph.<name>`` inside a transform: a Value that can also be replaced."""
-
     __slots__ = ()
 
     def replace_with(self, new: Value | RewardExpr) -> None:
@@ -113,7 +117,6 @@ class NodeHandle(Value):
 
 class Graph:
     """The graph controller handed to ``@ml.algorithm`` bodies."""
-
     def __init__(self, builder: Builder):
         object.__setattr__(self, "_builder", builder)
 

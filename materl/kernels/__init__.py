@@ -24,7 +24,14 @@ from materl.kernels.loader import (
     status_table,
 )
 from materl.kernels.policy_loss import fused_policy_loss, policy_loss_torch
-from materl.kernels.rewards import diversity, length, length_stats, pad_ids, pattern_match, repetition
+from materl.kernels.rewards import (
+    diversity,
+    length,
+    length_stats,
+    pad_ids,
+    pattern_match,
+    repetition,
+)
 
 __all__ = [
     "Kernel", "MojoFallbackWarning", "RewardChain", "UserKernel", "cache_root", "compile_file", "compile_source",

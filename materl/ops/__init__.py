@@ -2,4 +2,7 @@
 preference losses, chunked log-probs, rewards and reference-model policies.
 
 Nothing here imports from the rest of materl except ``materl.registry`` and ``materl.errors``.
+Importing the package registers the built-in rewards (``reward_builtins``).
 """
+
+from materl.ops import reward_builtins  # noqa: F401,E402  (registers the built-in rewards and aggregators)

@@ -38,7 +38,12 @@ import torch
 from torch import Tensor
 
 from materl.errors import ConfigError, RewardError, ShapeError
-from materl.ops._masked import group_index, group_stats, masked_whiten, place_on_last_trained
+from materl.ops._masked import (
+    group_index,
+    group_stats,
+    masked_whiten,
+    place_on_last_trained,
+)
 from materl.registry import Registry
 
 ADVANTAGES: Registry = Registry("advantage")

@@ -515,7 +515,3 @@ class VectorReward(_Arithmetic):
 
     def __repr__(self) -> str:
         return f"VectorReward({self.name!r}, weight={self.weight:g})"
-
-
-# the built-in rewards and aggregators register themselves into REWARDS / REWARD_AGGREGATORS
-from materl.ops import reward_builtins as _reward_builtins  # noqa: E402,F401

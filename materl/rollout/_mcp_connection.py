@@ -187,7 +187,12 @@ class _Instance:
         """One attempt: send ``tools/call`` and wait at most ``timeout_s`` for its answer, or for
         this instance to die (then ``died=True`` at once)."""
         from mcp.shared.exceptions import MCPError
-        from mcp.types import CONNECTION_CLOSED, INVALID_REQUEST, PARSE_ERROR, REQUEST_TIMEOUT
+        from mcp.types import (
+            CONNECTION_CLOSED,
+            INVALID_REQUEST,
+            PARSE_ERROR,
+            REQUEST_TIMEOUT,
+        )
 
         client = self._client
         if client is None or self.dead.is_set():

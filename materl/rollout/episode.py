@@ -21,7 +21,8 @@ import anyio
 
 from materl.engines.base import SamplingParams
 from materl.errors import EngineError
-from materl.rollout.parsers import choose_format, error_result, parse_safely
+from materl.rollout.parsers import error_result, parse_safely
+from materl.rollout.tool_formats import choose_format
 from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes, cap_tokens
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
 
@@ -243,7 +244,7 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
                         *, parser: str = "auto", max_tool_output_tokens: int | None = None) -> StepResult:
     """One model turn: append the answers to the previous turn's calls (exact tokens), generate,
     and parse the calls with ``parser`` (``"auto"``: the format the chat template declares; see
-    ``parsers.choose_format``). Model output never raises here: malformed calls are error calls."""
+    ``tool_formats.choose_format``). Model output never raises here: malformed calls are error calls."""
     if state.done:
         return StepResult(state, None)
     if state.steps:

@@ -3,7 +3,7 @@
     TOOL_PARSERS.get("hermes")('I will add. <tool_call>{"name": "calculate", '
                                '"arguments": {"expression": "2+3"}}</tool_call>')
     # ParsedMessage(content='I will add.', calls=[ToolCall(name='calculate', ...)])
-    choose_format(tokenizer, "auto")   # the format the model's chat template declares
+    choose_format(tokenizer, "auto")   # (tool_formats) the format the model's chat template declares
 
 Guarantees of every built-in format (``hermes``, ``json``, ``qwen3_coder``, ``llama3_json``,
 ``mistral``, ``harmony``, and ``response_template`` over transformers' parser):
@@ -21,7 +21,8 @@ A format is a ``ToolCallFormat``: its ``parse(text, tools)`` (``tools``: the Ope
 specs the model was shown, used by XML formats to give arguments their schema types), the
 ``stop_strings`` an engine may stop at, whether it needs the text decoded *with* special
 tokens (``[TOOL_CALLS]``, harmony's ``<|channel|>``... are special tokens), and the
-``markers`` that identify it in a chat template. ``choose_format(tokenizer, "auto")`` picks:
+``markers`` that identify it in a chat template. ``tool_formats.choose_format(tokenizer, "auto")``
+picks:
 the tokenizer's ``response_template`` (transformers' declarative response parser) when it
 has one, else the first format whose markers all appear in the chat template, else hermes.
 
@@ -79,7 +80,6 @@ class ToolCallFormat:
 
 TOOL_PARSERS: Registry[ToolCallFormat] = Registry("tool_parser")
 # "auto" checks formats in this order (the more specific markers first).
-AUTO_ORDER = ["harmony", "mistral", "qwen3_coder", "hermes", "llama3_json"]
 
 
 def tool_format(name: str, *, stop: tuple[str, ...] = (), special_tokens: bool = False,
@@ -230,40 +230,6 @@ def _dump(obj: Any) -> str:
 # -- choosing a format, stop strings, error results --------------------------------------------
 
 
-def choose_format(tokenizer: Any, requested: str | ToolCallFormat = "auto") -> ToolCallFormat:
-    """The format to parse a model's output with.
-
-    ``requested`` other than ``"auto"``: that registered format (unknown names raise
-    ``UnknownNameError`` listing the valid ones). ``"auto"``: transformers' response parser when
-    the tokenizer declares a ``response_template``; else the first of ``AUTO_ORDER`` whose
-    markers all appear in the chat template; else ``hermes``."""
-    if isinstance(requested, ToolCallFormat):
-        return requested
-    if requested != "auto":
-        return as_format(TOOL_PARSERS.get(requested), requested)
-    if getattr(tokenizer, "response_template", None):
-        from materl.rollout.tool_formats import response_template_format
-
-        return response_template_format(tokenizer)
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = template.get("tool_use") or template.get("default") or ""
-    for name in AUTO_ORDER:
-        fmt = TOOL_PARSERS.get(name)
-        if fmt.markers and all(m in template for m in fmt.markers):
-            return fmt
-    return TOOL_PARSERS.get("hermes")
-
-
-def stop_strings(parser_name: str) -> tuple[str, ...]:
-    """Strings an engine may stop at so a turn ends right after a complete call.
-
-    ``hermes`` -> ``("</tool_call>",)``; ``json`` -> ``()`` (a JSON object has no fixed end
-    marker). Unknown names raise ``UnknownNameError`` listing the registered parsers.
-    """
-    return as_format(TOOL_PARSERS.get(parser_name)).stop_strings
-
-
 def error_result(call: ToolCall) -> ToolResult:
     """The tool message the model sees for a malformed call (``call.error`` set)."""
     why = call.error or "the call could not be parsed"
@@ -277,6 +243,3 @@ def error_result(call: ToolCall) -> ToolResult:
         call_id=call.id,
         error_kind="invalid_call",
     )
-
-
-from materl.rollout import tool_formats as _tool_formats  # noqa: E402,F401  (registers the other formats)

@@ -40,8 +40,10 @@ from materl.rollout._json_calls import (
     matching_braces,
 )
 from materl.rollout.parsers import (
+    TOOL_PARSERS,
     ParsedMessage,
     ToolCallFormat,
+    as_format,
     split_parse_region,
     tagged_blocks,
     tool_format,
@@ -275,8 +277,6 @@ def response_template_format(tokenizer: Any) -> ToolCallFormat:
 
 
 def _fallback(tokenizer: Any) -> ToolCallFormat:
-    from materl.rollout.parsers import choose_format
-
     class _NoResponseTemplate:
         chat_template = getattr(tokenizer, "chat_template", None)
 
@@ -292,3 +292,40 @@ def _from_message(message: Any, rest: str) -> ParsedMessage:
     for item in message.get("tool_calls") or []:
         calls.append(call_from_obj(item, json.dumps(item, ensure_ascii=False, default=str), len(calls)))
     return ParsedMessage(join_content([clean_text(content), rest]), calls)
+
+
+# -- choosing a format -----------------------------------------------------------------------
+
+AUTO_ORDER = ["harmony", "mistral", "qwen3_coder", "hermes", "llama3_json"]
+
+
+def choose_format(tokenizer: Any, requested: str | ToolCallFormat = "auto") -> ToolCallFormat:
+    """The format to parse a model's output with.
+
+    ``requested`` other than ``"auto"``: that registered format (unknown names raise
+    ``UnknownNameError`` listing the valid ones). ``"auto"``: transformers' response parser when
+    the tokenizer declares a ``response_template``; else the first of ``AUTO_ORDER`` whose
+    markers all appear in the chat template; else ``hermes``."""
+    if isinstance(requested, ToolCallFormat):
+        return requested
+    if requested != "auto":
+        return as_format(TOOL_PARSERS.get(requested), requested)
+    if getattr(tokenizer, "response_template", None):
+        return response_template_format(tokenizer)
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default") or ""
+    for name in AUTO_ORDER:
+        fmt = TOOL_PARSERS.get(name)
+        if fmt.markers and all(m in template for m in fmt.markers):
+            return fmt
+    return TOOL_PARSERS.get("hermes")
+
+
+def stop_strings(parser_name: str) -> tuple[str, ...]:
+    """Strings an engine may stop at so a turn ends right after a complete call.
+
+    ``hermes`` -> ``("</tool_call>",)``; ``json`` -> ``()`` (a JSON object has no fixed end
+    marker). Unknown names raise ``UnknownNameError`` listing the registered parsers.
+    """
+    return as_format(TOOL_PARSERS.get(parser_name)).stop_strings

@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from materl.errors import ConfigError
+from materl.runtime.config import config_to_dict
 
 FORMAT = 1
 CHECKPOINTS = "checkpoints"
@@ -142,7 +143,6 @@ def _write_states(folder: Path, objs: Mapping[str, Any]) -> None:
 def _config_yaml(config: Any) -> str:
     import yaml
 
-    from materl.runtime.config import config_to_dict
 
     return yaml.safe_dump(config_to_dict(config) if not isinstance(config, dict) else _jsonable(config),
                           sort_keys=False)
@@ -184,7 +184,6 @@ def _alive(pid: int) -> bool:
 @dataclass
 class Checkpoint:
     """A complete checkpoint on disk; tensors load lazily (``model_state``, ``optimizer_state``)."""
-
     path: Path
     step: int
     data_state: dict[str, Any] = field(default_factory=dict)

@@ -23,10 +23,22 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+import materl.recipes
 from materl.compiler.options import CompileOptions
+from materl.engines.models import NAMED_MODELS, lora_options
 from materl.errors import ConfigError
+from materl.ops.rewards import REWARDS
+from materl.runtime.logging import require_backend
 from materl.runtime.resolve import is_dotted
 from materl.validation import describe, did_you_mean
 
@@ -35,7 +47,6 @@ DATA_GENERATORS = ("arithmetic",)
 
 class _Loader(yaml.SafeLoader):
     """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string."""
-
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -55,7 +66,6 @@ class _Section(BaseModel):
 class ModelSection(_Section):
     """The trained policy: a named model (``tiny-random``, ``smollm2-135m-instruct``) or an
     HF folder; ``lora``: dict(r, alpha, dropout, targets) or None; ``head``: None or "value"."""
-
     name: str = "tiny-random"
     lora: dict[str, Any] | None = None
     head: Literal["value"] | None = None
@@ -69,7 +79,6 @@ class ModelSection(_Section):
     @classmethod
     def _lora_keys(cls, v: dict | None) -> dict | None:
         if v is not None:
-            from materl.engines.models import lora_options
 
             lora_options(v)
         return v
@@ -77,7 +86,6 @@ class ModelSection(_Section):
 
 class RefModelSection(_Section):
     """The reference model; ``name: null`` means a frozen copy of ``model.name``."""
-
     name: str | None = None
 
     @field_validator("name")
@@ -88,7 +96,6 @@ class RefModelSection(_Section):
 
 class RewardSpec(_Section):
     """One reward term: a built-in reward name or ``package.module:function``."""
-
     name: str
     weight: float = 1.0
     params: dict[str, Any] = Field(default_factory=dict)
@@ -96,7 +103,6 @@ class RewardSpec(_Section):
     @field_validator("name")
     @classmethod
     def _known_reward(cls, v: str) -> str:
-        from materl.ops.rewards import REWARDS
 
         if v in REWARDS or is_dotted(v):
             return v
@@ -108,7 +114,6 @@ class DataSection(_Section):
     """Where prompts come from: ``arithmetic`` (a seeded generator), a JSONL file, or a
     ``datasets`` folder saved with ``save_to_disk``. ``train_size``/``test_size`` are the split
     sizes (``train_size: null`` = every row not held out); ``params`` go to the generator."""
-
     source: str = "arithmetic"
     train_size: int | None = Field(default=256, ge=1)
     test_size: int = Field(default=32, ge=0)
@@ -118,7 +123,6 @@ class DataSection(_Section):
 
 class TrainSection(_Section):
     """The loop: ``steps`` optimizer steps of ``batch_size`` prompts each (x group_size episodes)."""
-
     steps: int = Field(default=100, ge=1)
     batch_size: int = Field(default=8, ge=1)
     eval_every: int = Field(default=0, ge=0)  # 0: never
@@ -141,7 +145,6 @@ class TrainSection(_Section):
 
 class LoggingSection(_Section):
     """Where metrics go besides ``run_dir/metrics.jsonl``; ``tensorboard: null`` = on if installed."""
-
     progress: bool = True
     tensorboard: bool | None = None
     wandb: bool = False
@@ -152,7 +155,6 @@ class LoggingSection(_Section):
     @classmethod
     def _installed(cls, v: bool, info) -> bool:
         if v:
-            from materl.runtime.logging import require_backend
 
             try:
                 require_backend(info.field_name)
@@ -163,7 +165,6 @@ class LoggingSection(_Section):
 
 class TrainConfig(_Section):
     """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""
-
     model: ModelSection = Field(default_factory=ModelSection)
     ref_model: RefModelSection = Field(default_factory=RefModelSection)
     recipe: str = "grpo"
@@ -209,8 +210,6 @@ class TrainConfig(_Section):
 
 def recipe_choices() -> list[str]:
     """Built-in recipe names a config may use (besides ``package.module:recipe``)."""
-    import materl.recipes
-
     return materl.recipes.names()
 
 
@@ -294,7 +293,6 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 def _check_model(name: str) -> str:
-    from materl.engines.models import NAMED_MODELS
 
     if name in NAMED_MODELS or (Path(name).expanduser() / "config.json").is_file():
         return name

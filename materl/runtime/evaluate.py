@@ -11,6 +11,14 @@ from typing import Any
 
 import torch
 
+import materl as ml
+from materl.compiler.compiled import Compiled
+from materl.compiler.options import CompileOptions
+from materl.ops.rewards import Reward
+from materl.runtime.build import build_from_config
+from materl.runtime.checkpoint import load_checkpoint, restore
+from materl.runtime.data import load_rows, split_columns
+
 ACCURACY_COMPONENTS = ("answer", "exact_match", "math_answer")
 
 
@@ -42,8 +50,6 @@ def summarize(compiled, episodes) -> dict[str, float]:
 def evaluate_compiled(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
     """Greedy, one episode per prompt, through the compiled recipe's rollout stage;
     ``on_episode(episode)`` as each finishes (a progress bar)."""
-    from materl.runtime.data import split_columns
-
     prompts, columns = split_columns(rows)
     episodes = compiled.call_blocking(compiled.rollout, prompts, group_size=1, greedy=True, on_episode=on_episode,
                                       **columns)
@@ -55,11 +61,6 @@ def evaluate(agent, dataset: Any, rewards: list, *, tools=None, max_turns: int =
     """Score ``agent`` greedily on ``dataset`` (rows with 'prompt' and the columns the rewards
     read). ``rewards``: names, callables, ``(name, weight)`` pairs or ops ``Reward`` objects.
     With ``tools`` (a Toolbox), episodes are multi-turn with up to ``max_turns`` model turns."""
-    import materl as ml
-    from materl.compiler.compiled import Compiled
-    from materl.compiler.options import CompileOptions
-    from materl.runtime.data import load_rows
-
     terms = [_term(r) for r in rewards]
 
     @ml.recipe
@@ -87,7 +88,6 @@ def evaluate(agent, dataset: Any, rewards: list, *, tools=None, max_turns: int =
 
 
 def _term(r) -> tuple[Any, float, dict]:
-    from materl.ops.rewards import Reward
 
     if isinstance(r, Reward):
         return r.fn, r.weight, dict(r.params)
@@ -98,12 +98,9 @@ def _term(r) -> tuple[Any, float, dict]:
 
 def evaluate_from_config(cfg, checkpoint: str | None = None) -> dict[str, float]:
     """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy."""
-    from materl.runtime.train import build_from_config
-
     compiled, _, test_rows = build_from_config(cfg)
     try:
         if checkpoint:
-            from materl.runtime.checkpoint import load_checkpoint, restore
 
             restore(load_checkpoint(checkpoint), agents=compiled.agents, rng=False)
         return evaluate_compiled(compiled, test_rows)

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from materl.agent import Agent
 from materl.errors import ConfigError
 from materl.runtime.checkpoint import Checkpoint, load_checkpoint
 
@@ -62,7 +63,6 @@ def rebuild_agent(info: dict[str, Any]):
     ``agent.json`` (always on the in-process transformers engine: exporting needs no server)."""
     import torch
 
-    from materl.agent import Agent
 
     name = info.get("model_name_or_path")
     if not name:

@@ -20,7 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import materl.recipes
 from materl.errors import ConfigError
+from materl.graph.node import Recipe
+from materl.rollout.mcp import mcp_tools
 
 DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # "package.module:attribute"
 
@@ -66,10 +69,6 @@ def resolve_recipe(spec: str, *, tools: Sequence[str] = (), tool_timeout_s: floa
     """A Recipe from a built-in name or ``module:attribute`` (a Recipe, or a factory
     ``f(toolbox) -> Recipe``). Factories get ``ml.mcp_tools(*tools, timeout_s=tool_timeout_s)``;
     a built-in factory with no ``tools`` gets the shipped calculator server."""
-    import materl.recipes
-    from materl.graph.node import Recipe
-    from materl.rollout.mcp import mcp_tools
-
     if not is_dotted(spec):
         if spec in materl.recipes.FACTORIES:
             return materl.recipes.build(spec, mcp_tools(*(tools or materl.recipes.DEFAULT_TOOLS),

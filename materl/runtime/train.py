@@ -18,7 +18,12 @@ import numpy as np
 import torch
 
 from materl.errors import ConfigError
+from materl.runtime.build import build_from_config
+from materl.runtime.checkpoint import load_checkpoint, restore, save_checkpoint
+from materl.runtime.config import config_to_dict, validate_config
 from materl.runtime.data import Sampler, load_rows, split_columns
+from materl.runtime.evaluate import evaluate_compiled
+from materl.runtime.logging import RunLogger, format_episode
 
 
 def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
@@ -59,10 +64,6 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     stays the last good one. ``progress``: a bar over steps, and one over each step's episodes
     and each evaluation's. ``wandb``/``mlflow``: also send every metric there (ConfigError if
     the package is not installed)."""
-    from materl.runtime.checkpoint import load_checkpoint, restore, save_checkpoint
-    from materl.runtime.evaluate import evaluate_compiled
-    from materl.runtime.logging import RunLogger, format_episode
-
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
     run_dir = Path(run_dir)
@@ -131,61 +132,10 @@ def _reward_terms(episode) -> dict[str, float]:
     return {k: v for k, v in episode.metrics.items() if k.startswith("reward/")}
 
 
-def build_from_config(cfg, *, load_data: bool = True):
-    """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)
-    (empty row lists when not ``load_data``). User code named ``module:attribute`` (the recipe,
-    rewards) is found on sys.path, next to the config file or in the working directory."""
-    import materl as ml
-    from materl.compiler.compiled import Compiled
-    from materl.runtime.resolve import import_symbol, is_dotted, resolve_recipe
-
-    options = cfg.compile_options()
-    recipe = resolve_recipe(cfg.recipe, tools=cfg.tools, tool_timeout_s=options.tool_timeout_s,
-                            search=cfg.search_dirs)
-    if cfg.rewards:
-        fns = [import_symbol(spec.name, search=cfg.search_dirs, what=f"rewards[{i}].name")
-               if is_dotted(spec.name) else spec.name for i, spec in enumerate(cfg.rewards)]
-
-        def rewards(graph):
-            total = None
-            for fn, spec in zip(fns, cfg.rewards):
-                term = ml.reward(fn, weight=spec.weight, **spec.params)
-                total = term if total is None else total + term
-            return total
-
-        recipe = ml.replace(recipe, "rewards", rewards)
-    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
-    if "ref_policy" in recipe.agents:
-        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
-    if "value_model" in recipe.agents:
-        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
-    compiled = Compiled(recipe, agents, options)
-    train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
-    return compiled, train_rows, test_rows
-
-
-def _data_from_config(cfg) -> tuple[list, list]:
-    d = cfg.data
-    if d.source == "arithmetic":
-        from materl.runtime.tasks import arithmetic_split
-
-        return arithmetic_split(d.train_size, d.test_size, seed=d.seed, **d.params)
-    if Path(d.source).suffix == ".jsonl":
-        rows = load_rows(d.source)
-    else:
-        import datasets
-
-        rows = load_rows(datasets.load_from_disk(d.source))
-    test, train_rows = rows[: d.test_size], rows[d.test_size:]
-    return (train_rows[: d.train_size] if d.train_size else train_rows), test
-
-
 def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
     """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations.
     ``rows``: in-memory data (a list of rows or a ``datasets.Dataset``) instead of ``cfg.data.source``;
     the first ``cfg.data.test_size`` rows are held out."""
-    from materl.runtime.config import config_to_dict
-
     compiled, train_rows, test_rows = build_from_config(cfg, load_data=rows is None)
     if rows is not None:
         rows = load_rows(rows)
@@ -226,8 +176,6 @@ def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "g
     loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
     "evals", "checkpoint", "run_dir"}``.
     """
-    from materl.runtime.config import validate_config
-
     in_memory = not isinstance(dataset, (str, Path))
     specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]
     cfg = validate_config({

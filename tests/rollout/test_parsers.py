@@ -1,7 +1,8 @@
 import pytest
 
 from materl.errors import UnknownNameError
-from materl.rollout.parsers import TOOL_PARSERS, ParsedMessage, error_result, stop_strings
+from materl.rollout.parsers import TOOL_PARSERS, ParsedMessage, error_result
+from materl.rollout.tool_formats import stop_strings
 from materl.rollout.types import ToolCall
 
 hermes = TOOL_PARSERS.get("hermes")

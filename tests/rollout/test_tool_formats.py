@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from materl.rollout.episode import EpisodeState, _assistant_message, append_tool_results, encode, render
-from materl.rollout.parsers import choose_format, parse_safely
+from materl.rollout.parsers import parse_safely
+from materl.rollout.tool_formats import choose_format
 from materl.rollout.types import Step, ToolCall, ToolResult
 
 TEMPLATES = Path(__file__).parent / "templates"

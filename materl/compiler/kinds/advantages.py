@@ -9,13 +9,15 @@ Inputs: rewards, the scored rollout (its loss mask), then the estimator's extra 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, as_rollout, pad_rows, to_tensor
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
+from materl.errors import CompileError
 from materl.graph.node import Node
+from materl.kernels.advantages import ESTIMATORS, group_advantages
+from materl.kernels.loader import load_or_reason
 from materl.ops._masked import place_on_last_trained
 from materl.ops.advantages import ADVANTAGES
 from materl.ops.kl import kl_penalty
@@ -48,8 +50,6 @@ def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list
 
 def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     """GRPO/RLOO in one kernel call over (B,) rewards; returns = advantages, as the op's."""
-    from materl.kernels.advantages import group_advantages
-
     rewards, mask, _, hp = _tensors(node, inputs)
     if rewards.dim() != 1:  # token-level rewards: the op's per-token returns-to-go
         return advantages_torch(run, node, eps, inputs)
@@ -59,8 +59,6 @@ def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]
 
 
 def _mojo_when(node: Node, options) -> str | None:
-    from materl.kernels.advantages import ESTIMATORS
-    from materl.kernels.loader import load_or_reason
 
     est = node.params["estimator"]
     if est not in ESTIMATORS or node.params.get("kl_coef") or len(node.inputs) > 2:
@@ -79,7 +77,6 @@ def _locality(node: Node) -> str:
 
 def _without_reference(node: Node) -> Node:
     if node.params.get("kl_coef"):
-        from materl.errors import CompileError
 
         raise CompileError(f"reference='none', but node {node.name!r} puts a KL penalty to the reference in the "
                            f"reward (kl_coef={node.params['kl_coef']}); use another reference policy or kl_coef=0")

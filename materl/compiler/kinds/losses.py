@@ -11,6 +11,8 @@ from torch import Tensor
 from materl.compiler.episode import to_tensor
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
+from materl.kernels import policy_loss as fused
+from materl.kernels.policy_loss import learner_policy_loss
 from materl.ops._masked import place_on_last_trained
 from materl.ops.advantages import discounted_returns
 from materl.ops.aggregate import LOSS_AGG
@@ -67,16 +69,10 @@ def _policy_loss(fn):
 
 
 def _mojo_policy_loss(node, logp, old_logp, adv, mask, ref_logp, *, denom):
-    from materl.kernels.policy_loss import learner_policy_loss
-
     return learner_policy_loss(node, logp, old_logp, adv, mask, ref_logp, denom=denom)
 
 
 def _mojo_when(node: Node, options) -> str | None:
-    try:
-        from materl.kernels import policy_loss as fused
-    except ImportError as e:
-        return f"materl.kernels.policy_loss unavailable ({e})"
     ok, why = fused.supports(node.op, dict(node.params))
     return None if ok else why
 

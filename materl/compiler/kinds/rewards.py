@@ -26,6 +26,8 @@ from materl.compiler.episode import Episode, as_rollout, pad_rows
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
 from materl.errors import CompileError, ShapeError
 from materl.graph.node import Node
+from materl.kernels.fusion import RewardChain, fusable
+from materl.kernels.rewards import pad_ids
 from materl.ops._masked import place_on_last_trained
 from materl.ops.rewards import Reward, RewardSum
 from materl.rollout.episode import StepResult
@@ -190,8 +192,6 @@ def turn_discounted(tokens: list[float], r: Rollout, gamma: float) -> list[float
 def fusable_terms(node: Node) -> list[int]:
     """Indices of the terms a fused Mojo reward chain can compute: built-in kernel rewards
     scoring the same rollout (not a step)."""
-    from materl.kernels.fusion import fusable
-
     terms = node.params["terms"]
     idx = [i for i, t in enumerate(terms) if isinstance(t.get("fn"), str) and "step" not in t
            and "rollout" in t and fusable(t["fn"], t.get("params", {}))]
@@ -200,7 +200,6 @@ def fusable_terms(node: Node) -> list[int]:
 
 @functools.lru_cache(maxsize=64)
 def _chain(spec: tuple):
-    from materl.kernels.fusion import RewardChain
 
     chain = RewardChain([(fn, dict(params), 1.0) for fn, params in spec])
     chain.kernel()  # built (and cached on disk) now
@@ -224,7 +223,6 @@ def _fused_when(node: Node, options) -> str | None:
 
 
 async def fused_score(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list:
-    from materl.kernels.rewards import pad_ids
 
     fused = fusable_terms(node)
     rollouts = [as_rollout(x) for x in inputs[node.params["terms"][fused[0]]["rollout"]]]

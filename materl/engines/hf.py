@@ -1,0 +1,118 @@
+"""What materl calls on a Hugging Face causal LM: its decoder under LoRA/value-head wrappers,
+its last hidden states (with a shared-prompt KV-cache pass for the learner), its LM head, the
+cache keyword of its forward, and quiet loading. Used by the loaders, the engines and the
+learner alike."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+
+@contextmanager
+def quiet_loading():
+    """transformers' "Loading weights" progress bar off while materl loads a model (restored
+    after), and peft's use of transformers' deprecated ``is_gradient_checkpointing`` not shown:
+    neither is something a materl user can act on."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*", category=FutureWarning)
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def cache_kwargs(module: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """``{"cache": cache}`` for models whose forward takes ``cache`` (transformers >= 5.2x),
+    ``{"past_key_values": cache}`` for older ones, which then need no deprecation warning."""
+    return {_cache_kwarg(type(module)): cache}
+
+
+@functools.cache
+def _cache_kwarg(cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
+def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF causal LM inside ``model`` (unwrapping a value head and a peft wrapper; peft's
+    LoRA layers live inside the base model's modules, so they stay active)."""
+    model = getattr(model, "backbone", model)  # ValueHeadModel
+    get_base = getattr(model, "get_base_model", None)  # PeftModel
+    return get_base() if callable(get_base) else model
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that ignore padding: ``cumsum(mask) - 1`` clamped at 0, shape (B, L).
+
+    Left- and right-padded batches then get the same positions for the same real tokens, which
+    is what the generation engine uses (HF ``generate`` does the same for left padding).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow."""
+    decoder = causal_lm_of(model).get_decoder()
+    out = decoder(
+        input_ids=input_ids, attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+    )
+    return out.last_hidden_state
+
+
+def shared_prefix_hidden_states(
+    model,
+    prefix_ids: torch.Tensor,
+    prefix_mask: torch.Tensor,
+    owner: torch.Tensor,
+    suffix_ids: torch.Tensor,
+    suffix_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states of rows that share prompts, each distinct prompt run once; gradients flow.
+
+    prefix_ids/mask (U, P): the distinct prompts, right-padded; owner (B,): which prefix row b
+    continues; suffix_ids/mask (B, S): row b's tokens after its prompt, right-padded.
+    Returns ``(last_prefix_B_H, suffix_B_S_H)``: the hidden state at row b's last prompt token
+    (it predicts the first suffix token) and at every suffix token.
+
+    The prefix pass fills a KV cache; its keys/values are indexed by ``owner`` (so backward sums
+    the gradients of every row that read them) and the suffix pass attends to them, with
+    positions continuing from each prompt's length. The result equals running every row's full
+    sequence (up to float summation order) at the cost of U*P + B*S tokens instead of B*(P+S):
+    a GRPO group of G samples pays for its prompt once, not G times. Right padding everywhere,
+    so no query row is fully masked (the middle gap of short prompts is masked out).
+    """
+    from transformers import DynamicCache
+
+    lm = causal_lm_of(model)
+    decoder = lm.get_decoder()
+    cache = DynamicCache(config=lm.config)
+    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
+                     position_ids=position_ids_from_mask(prefix_mask), use_cache=True, **cache_kwargs(decoder, cache))
+    prompt_len_B = prefix_mask.sum(-1)[owner]
+    last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
+    if suffix_ids.shape[1] == 0:
+        return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
+    cache.batch_select_indices(owner)
+    steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
+    suffix = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
+                     position_ids=prompt_len_B[:, None] + steps_S[None, :], use_cache=True,
+                     **cache_kwargs(decoder, cache))
+    return last_B_H, suffix.last_hidden_state
+
+
+def output_embedding(model) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The LM head as ``(weight (V, H), bias (V,) or None)``: logits = hidden @ weight.T + bias."""
+    head = causal_lm_of(model).get_output_embeddings()
+    return head.weight, getattr(head, "bias", None)

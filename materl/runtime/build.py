@@ -1,0 +1,59 @@
+"""A run described by a config, built: its recipe (with user rewards and recipes resolved), its
+agents, the compiled step, and the train / held-out rows. ``materl train`` and ``materl eval``
+both start here.
+
+    compiled, train_rows, test_rows = build_from_config(load_config("run.yaml"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import materl as ml
+from materl.compiler.compiled import Compiled
+from materl.runtime.data import load_rows
+from materl.runtime.resolve import import_symbol, is_dotted, resolve_recipe
+from materl.runtime.tasks import arithmetic_split
+
+
+def build_from_config(cfg, *, load_data: bool = True):
+    """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)
+    (empty row lists when not ``load_data``). User code named ``module:attribute`` (the recipe,
+    rewards) is found on sys.path, next to the config file or in the working directory."""
+    options = cfg.compile_options()
+    recipe = resolve_recipe(cfg.recipe, tools=cfg.tools, tool_timeout_s=options.tool_timeout_s,
+                            search=cfg.search_dirs)
+    if cfg.rewards:
+        fns = [import_symbol(spec.name, search=cfg.search_dirs, what=f"rewards[{i}].name")
+               if is_dotted(spec.name) else spec.name for i, spec in enumerate(cfg.rewards)]
+
+        def rewards(graph):
+            total = None
+            for fn, spec in zip(fns, cfg.rewards):
+                term = ml.reward(fn, weight=spec.weight, **spec.params)
+                total = term if total is None else total + term
+            return total
+
+        recipe = ml.replace(recipe, "rewards", rewards)
+    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
+    if "ref_policy" in recipe.agents:
+        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
+    if "value_model" in recipe.agents:
+        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
+    compiled = Compiled(recipe, agents, options)
+    train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
+    return compiled, train_rows, test_rows
+
+
+def _data_from_config(cfg) -> tuple[list, list]:
+    d = cfg.data
+    if d.source == "arithmetic":
+        return arithmetic_split(d.train_size, d.test_size, seed=d.seed, **d.params)
+    if Path(d.source).suffix == ".jsonl":
+        rows = load_rows(d.source)
+    else:
+        import datasets
+
+        rows = load_rows(datasets.load_from_disk(d.source))
+    test, train_rows = rows[: d.test_size], rows[d.test_size:]
+    return (train_rows[: d.train_size] if d.train_size else train_rows), test
