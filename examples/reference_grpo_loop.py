@@ -1,6 +1,6 @@
 """GRPO written by hand with materl.ops — no recipe, no compiler — so a reader sees every step.
 
-The compiled ``recipes/grpo.py`` must give the same numbers: tests/compile/test_reference_loop.py
+The compiled ``recipes/grpo.py`` must give the same numbers: tests/compiler/test_reference_loop.py
 feeds the same rollouts to ``grpo_update`` below and to the compiled learner and compares the
 loss and the parameter update. Shapes live in names: B rows (prompts x group), T tokens.
 

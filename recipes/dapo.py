@@ -5,8 +5,10 @@ Four changes to GRPO, all here: clip-higher (eps_low=0.2, eps_high=0.28), token-
 signal and are filtered), and overlong reward shaping (a soft penalty as a completion nears the
 length budget). No KL term, as in the paper.
 
-Differences: dynamic sampling drops the filtered groups from this step; the paper re-samples
-until the batch is full (``ml.train(..., oversample=...)`` draws extra prompts to do the same).
+Differences: dynamic sampling drops the filtered groups from this step, so a step trains on
+fewer groups than it sampled; the paper (and verl's ``filter_groups``) keeps sampling new prompts
+until the batch is full. A step in which every group is filtered makes no update and stops the
+run with that reason (``StepFailedError``).
 Note: some code calls a pairwise preference loss "DAPO"; this is the published algorithm.
 """
 

@@ -70,8 +70,13 @@ class MojoFallbackWarning(RuntimeWarning):
 
 @functools.lru_cache(maxsize=1)
 def kernel_dir() -> Path:
-    """The directory holding the shipped ``*.mojo`` sources (package ``materl.kernel_sources``)."""
-    return Path(str(importlib.resources.files("materl.kernel_sources")))
+    """The directory holding the shipped ``*.mojo`` sources: the installed package
+    ``materl.kernel_sources``, or, for materl imported from a source checkout that was never
+    pip-installed, the checkout's top-level ``kernels/`` folder."""
+    try:
+        return Path(str(importlib.resources.files("materl.kernel_sources")))
+    except ModuleNotFoundError:  # a plain checkout on sys.path: kernels/ sits beside materl/
+        return Path(__file__).resolve().parents[2] / "kernels"
 
 
 def cache_root() -> Path:

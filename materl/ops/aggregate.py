@@ -15,7 +15,7 @@ Tokens off the mask never contribute, even if their loss is inf or NaN; an empty
 Counterpart: verl ``core_algos.agg_loss`` (``token-mean``, ``seq-mean-token-sum``,
 ``seq-mean-token-mean``, ``seq-mean-token-sum-norm``; ``batch_num_tokens``/``global_batch_size``
 are materl's ``denom``, ``loss_scale_factor`` is ``norm``; verl's ``dp_size`` factor is the
-caller's business). ``token_sum`` has no verl counterpart.
+caller's business). ``token_sum`` is verl's ``token-sum`` (verl 0.9.1).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def token_mean(loss_B_T: Tensor, mask_B_T: Tensor, *, denom: Denom = None, norm:
 
 @LOSS_AGG.register("token_sum")
 def token_sum(loss_B_T: Tensor, mask_B_T: Tensor, *, denom: Denom = None, norm: float | None = None) -> Tensor:
-    """sum_{i,t} m l  (divided by ``denom`` if given). No verl counterpart."""
+    """sum_{i,t} m l  (divided by ``denom`` if given). verl 0.9.1 ``token-sum``."""
     x, _ = _prep(loss_B_T, mask_B_T, "token_sum", norm)
     return x.sum() if denom is None else _divide(x.sum(), denom)
 

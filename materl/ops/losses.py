@@ -12,8 +12,8 @@ mask: ``masked_mean(stats["clipfrac"], mask)`` is verl's ``pg_clipfrac``. Every 
 
 verl (``verl.trainer.ppo.core_algos.compute_policy_loss_*``) computes the same per-token matrix and
 then calls ``agg_loss``; materl's loss followed by the LOSS_AGG of the same name gives verl's numbers
-and gradients. verl hard-codes ``seq-mean-token-mean`` for gspo and sapo: use that aggregation to
-match it. Shapes: B rows, T tokens, V vocabulary; all (B,T) inputs must have the same shape.
+and gradients. verl's gspo and sapo default to ``seq-mean-token-mean`` (a default argument; its
+callers pass the configured ``loss_agg_mode``): use that aggregation to match the default. Shapes: B rows, T tokens, V vocabulary; all (B,T) inputs must have the same shape.
 """
 
 from __future__ import annotations

@@ -139,3 +139,38 @@ def test_kernel_function_errors_name_the_symbol(fresh_loader):
         kernel.function("nope", "i")
     with pytest.raises(KernelError, match="letters must be i"):
         kernel.function("repetition", "ix")
+
+
+def test_a_source_checkout_that_was_never_installed_still_falls_back(tmp_path):
+    """materl imported from a copy of the package alone (no pip install, no kernels/ folder
+    beside it): materl.kernel_sources does not exist, and impl="auto" takes the torch path
+    instead of raising ModuleNotFoundError."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shutil.copytree(Path(__file__).resolve().parents[2] / "materl", tmp_path / "materl",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = f"""
+import sys
+sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", "") != "_EditableFinder"]  # not installed
+sys.path.insert(0, {str(tmp_path)!r})
+import warnings, torch, materl
+assert materl.__file__.startswith({str(tmp_path)!r}), materl.__file__
+from materl.kernels.loader import kernel_dir
+from materl.kernels.policy_loss import fused_policy_loss, policy_loss_torch
+assert kernel_dir() == __import__("pathlib").Path({str(tmp_path)!r}) / "kernels"
+args = [torch.randn(2, 3, dtype=torch.float64, requires_grad=True)] + [torch.randn(2, 3, dtype=torch.float64)] * 2 + [torch.ones(2, 3, dtype=torch.float64)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    loss = fused_policy_loss(*args, impl="auto")
+ref = policy_loss_torch(*args)
+value = lambda x: x[0] if isinstance(x, tuple) else x
+assert torch.allclose(value(loss), value(ref)), (loss, ref)
+print("fell back:", [str(w.message)[:60] for w in caught])
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "MATERL_CACHE_DIR": str(tmp_path / "cache")})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fell back" in out.stdout
