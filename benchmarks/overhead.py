@@ -15,9 +15,8 @@ through the same engine. Both are warmed up, then run alternately (the first of 
 the table shows medians of wall time and of process CPU time (all threads; steadier than wall
 time on a shared machine). Goal: compiled / reference <= 1.02.
 
-Then: the pieces of the compiled step that the reference does not have, each timed alone (the
-per-episode reward calls and per-group advantage calls vs one batched call, the step's
-bookkeeping); and the scheduler's per-node overhead, measured with a recipe of K trivial async
+Then: the compiled step's scoring and bookkeeping pieces, each timed alone beside the
+reference's one reward call and one advantage call; and the scheduler's per-node overhead, measured with a recipe of K trivial async
 ``@ml.op`` nodes (each returns its input) over E episodes, rollout stage only:
 ``(rollout wall - the same K awaits per episode in bare anyio tasks) / (K x E)``.
 With ``--profile``, cProfile of the compiled step (event-loop thread) is printed too.
@@ -41,9 +40,11 @@ import anyio.from_thread
 import torch
 
 import materl as ml
-from materl.compiler import score_ops
 from materl.compiler.compiled import Compiled
+from materl.compiler.context import Run
 from materl.compiler.options import CompileOptions
+from materl.compiler.scheduler import call_batch
+from materl.ops.advantages import ADVANTAGES
 from materl.ops.rewards import Reward
 from materl.recipes import grpo
 
@@ -163,7 +164,7 @@ def print_compare(res: dict, rounds: int) -> float:
     print(f"compiled / reference, CPU  (ratio of medians): {cpu_ratio:.3f}   (goal <= 1.02: "
           f"{'met' if cpu_ratio <= 1.02 else 'MISSED'})")
     print(f"per-round wall ratio: median {med(res['ratios']):.3f}, quartiles {q[0]:.3f} .. {q[2]:.3f}")
-    print("(rollout stage = sampling + rewards, incl. the engine's 5 ms batch window and thread hop; "
+    print("(rollout stage = sampling + rewards, incl. the engine's batch forming and thread hop; "
           "learner = reference forward + policy forward/backward + optimizer step; other = the rest of the step)")
     return ratio
 
@@ -244,6 +245,21 @@ def grpo_node_accounting(res: dict) -> None:
               f"= {diff / (6 * 16) * 1e6:+.1f} us per node per episode (6 nodes x 16 episodes)")
 
 
+def atimeit(fn, repeat: int = 100) -> float:
+    """Median seconds of ``await fn()``, all calls in one event loop (``anyio.run`` per call
+    would time the loop's start too)."""
+    async def go() -> list[float]:
+        await fn()
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            await fn()
+            samples.append(time.perf_counter() - t0)
+        return samples
+
+    return med(anyio.run(go))
+
+
 def timeit(fn, repeat: int = 100) -> float:
     fn()
     samples = []
@@ -255,43 +271,38 @@ def timeit(fn, repeat: int = 100) -> float:
 
 
 def attribute(runner: CompiledGRPO) -> None:
-    """Time the compiled step's extra pieces in isolation, on one step's real episodes: what the
-    plan runs per episode / per group, against one call over the whole batch (what the
-    reference loop does), plus the step's bookkeeping."""
+    """Time the compiled step's scoring and bookkeeping pieces alone, on one step's real
+    episodes, beside what the hand-written loop does for the same work (one reward call over the
+    batch, one advantage call); the rest of a step is the same model work on both sides."""
     st = runner.step_fn
     eps = st.call_blocking(st.rollout, PROMPTS)
-    rewards, adv = st.plan.nodes["rewards"], st.plan.nodes["advantages"]
-
-    def inputs(node, es):
-        return [[e.values[r] for e in es] for r in node.inputs if not r.startswith("@")]
-
-    groups = [[e for e in eps if e.group == g] for g in sorted({e.group for e in eps})]
-
-    async def rewards_each():
-        for e in eps:
-            await score_ops.rewards_episode(st, rewards, e, *[v[0] for v in inputs(rewards, [e])])
-
-    async def rewards_once():
-        await score_ops.rewards_batch(st, rewards, eps, inputs(rewards, eps))
-
+    run = Run(st.context(), st.agents)
+    reward = Reward.from_spec("length", 0.1) + Reward.from_spec("diversity", 0.9)
+    rollouts = [st.episode_rollout(e) for e in eps]
+    texts, ids = [r.text for r in rollouts], [r.completion_ids for r in rollouts]
+    scores = reward.score(completions=texts, completion_ids=ids)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.tensor(r.loss_mask, dtype=torch.float64) for r in rollouts],
+                                           batch_first=True)
+    for e, v in zip(eps, anyio.run(call_batch, run, "rewards", eps)):
+        e.store("rewards", v)
     rows = [
-        ("rewards", "score_ops.py:rewards_episode", f"x{len(eps)} episodes", timeit(lambda: anyio.run(rewards_each)),
-         timeit(lambda: anyio.run(rewards_once))),
-        ("advantages", "score_ops.py:advantages_batch", f"x{len(groups)} groups",
-         timeit(lambda: [score_ops.advantages_batch(st, adv, g, inputs(adv, g)) for g in groups]),
-         timeit(lambda: score_ops.advantages_batch(st, adv, eps, inputs(adv, eps)))),
-        ("metrics", "compiled.py:rollout_metrics", "x1", timeit(lambda: st.rollout_metrics(eps)), 0.0),
-        ("reference update", "compiled.py:update_references", "x1", timeit(lambda: st.update_references(0.0)), 0.0),
+        ("rewards", "kinds/rewards.py (one call per tick)", atimeit(lambda: call_batch(run, "rewards", eps)),
+         timeit(lambda: reward.score(completions=texts, completion_ids=ids))),
+        ("advantages", "kinds/advantages.py (groups together)",
+         atimeit(lambda: call_batch(run, "advantages", eps)),
+         timeit(lambda: ADVANTAGES.get("grpo")(scores.double(), mask, group_ids=[e.group for e in eps]))),
+        ("metrics", "compiled.py:rollout_metrics", timeit(lambda: st.rollout_metrics(eps)), 0.0),
+        ("reference update", "compiled.py:update_references", timeit(lambda: st.update_references(0.0)), 0.0),
     ]
-    print("\n## where the compiled step's extra time goes (each piece timed alone, medians)\n")
-    print("| piece | where | calls per step | compiled plan | one batched call | extra |")
-    print("|---|---|---|---|---|---|")
+    print("\n## the compiled step's scoring and bookkeeping, each piece timed alone (medians)\n")
+    print("| piece | where | compiled | hand-written loop | extra |")
+    print("|---|---|---|---|---|")
     total = 0.0
-    for what, where, calls, plan_s, once_s in rows:
+    for what, where, plan_s, once_s in rows:
         total += plan_s - once_s
-        print(f"| {what} | materl/compiler/{where} | {calls} | {plan_s * 1e3:.2f} ms | "
-              f"{once_s * 1e3:.2f} ms | {(plan_s - once_s) * 1e3:+.2f} ms |")
-    print(f"| total | | | | | {total * 1e3:+.2f} ms |")
+        print(f"| {what} | materl/compiler/{where} | {plan_s * 1e3:.2f} ms | {once_s * 1e3:.2f} ms | "
+              f"{(plan_s - once_s) * 1e3:+.2f} ms |")
+    print(f"| total | | | | {total * 1e3:+.2f} ms |")
 
 
 def profile_compiled(steps: int, kernels: str) -> None:

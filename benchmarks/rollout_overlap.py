@@ -33,10 +33,10 @@ import torch
 
 import materl as ml
 from materl.compiler.compiled import Compiled
-from materl.compiler.impls import sampling
+from materl.compiler.context import Run, sampling
 from materl.compiler.options import CompileOptions
 from materl.rollout.episode import EpisodeState, generate_step
-from materl.rollout.parsers import stop_strings
+from materl.rollout.tool_formats import stop_strings
 from materl.rollout.types import ToolCall
 
 SERVER = Path(__file__).resolve().parent / "_servers" / "sleep_echo.py"
@@ -83,15 +83,16 @@ async def run_sequential(compiled: Compiled, episodes: list, toolbox, *, tool_ca
     """One episode after another, each turn: generate, then await the tool (a plain for-loop)."""
     agent = compiled.agents["policy"]
     node = compiled.plan.nodes["turn_1"]
+    run = Run(compiled.context(), compiled.agents)
     t0 = time.perf_counter()
     for ep in episodes:
         state = EpisodeState.start(agent.tokenizer, ep.prompt)
-        res = await generate_step(agent.engine, agent.tokenizer, state, None, sampling(compiled, node, ep, 0))
+        res = await generate_step(agent.engine, agent.tokenizer, state, None, sampling(run, node, ep.seed, 0))
         for turn in range(1, tool_calls + 1):
             state, call = force_call(res.history, len(res.history.steps))
             result = await toolbox.call(call.name, call.arguments, call_id=call.id)
             res = await generate_step(agent.engine, agent.tokenizer, state, [result],
-                                      sampling(compiled, node, ep, turn))
+                                      sampling(run, node, ep.seed, turn))
     return time.perf_counter() - t0
 
 
@@ -128,7 +129,7 @@ async def measure_bound(compiled: Compiled, episodes: list, *, tool_calls: int) 
                     gen_seen += 1
                 ids += s.token_ids
             contexts.append(ids)
-        params = [with_parser_stops(sampling(compiled, node, ep, turn)) for ep in episodes]
+        params = [with_parser_stops(sampling(Run(compiled.context(), compiled.agents), node, ep.seed, turn)) for ep in episodes]
         turns.append(await batched_generation(agent.engine, contexts, params))
     return turns
 
