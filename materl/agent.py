@@ -68,6 +68,7 @@ class Agent:
         self._model: nn.Module | None = None
         self._tokenizer = tokenizer
         self._engine = None
+        self._policy_version = 0
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ConfigError("Agent(model=<nn.Module>) needs tokenizer=; got tokenizer=None")
@@ -109,7 +110,19 @@ class Agent:
             except TypeError as exc:
                 raise ConfigError(f"bad engine_options {sorted(self.engine_options)} for engine "
                                   f"{self.engine_name!r}: {exc}") from exc
+            self._engine.weights_version = self._policy_version
         return self._engine
+
+    @property
+    def policy_version(self) -> int:
+        """How many optimizer steps the weights have had (0: as loaded); generations record it."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = int(version)
+        if self._engine is not None:
+            self._engine.weights_version = self._policy_version
 
     @property
     def loaded(self) -> bool:

@@ -122,6 +122,7 @@ class TransformersEngine:
         self.model_lock = threading.Lock()
         self._pending: list[_Request] = []
         self._leader: _Request | None = None
+        self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
@@ -239,6 +240,7 @@ class TransformersEngine:
     # -- decode loop ------------------------------------------------------------------------
 
     def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
+        version = self.weights_version  # weights change only between batches (both run in the compute thread)
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
         # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
@@ -269,7 +271,7 @@ class TransformersEngine:
             out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
                      use_cache=True, **cache_kwargs(lm, cache))
             logits = out.logits[:, -1, :]
-        return [self._finish(row, len(batch)) for row in rows]
+        return [self._finish(row, len(batch), version) for row in rows]
 
     def _new_row(self, req: _Request) -> _Row:
         p = req.params
@@ -308,9 +310,9 @@ class TransformersEngine:
             return "length"
         return None
 
-    def _finish(self, row: _Row, batch_size: int) -> Generation:
+    def _finish(self, row: _Row, batch_size: int, version: int) -> Generation:
         text = self.tokenizer.decode(row.ids, skip_special_tokens=False)
-        meta = {"text": text, "batch_size": batch_size, "seed": row.request.seed}
+        meta = {"text": text, "batch_size": batch_size, "seed": row.request.seed, "version": version}
         return Generation(row.ids, row.logprobs, row.finish or "length",
                           prompt_len=len(row.request.prompt_ids), metadata=meta)
 

@@ -1,0 +1,97 @@
+"""Rollout workers: what runs a step's episodes, in this process or in a Ray actor.
+
+A worker holds the frozen plan (a ``StepContext`` it was given once), its own rollout agents
+(engines, tokenizers, and for trainable agents its own copy of the weights at some version) and
+its own tool servers (the plan's toolboxes, started in the worker). A ``Job`` names the step,
+the prompts (with their group indices in the step's batch) and the policy version to sample
+from; the worker loads that version from the weight store if it holds another, runs the rollout
+stage (``rollout_from_context``) and returns the finished episodes, every token tagged with the
+version that sampled it.
+
+With ``partial_rollouts=False`` a worker changes version only when no episode is running on the
+old one (episodes finish on the version they started with); with ``True`` it loads a new
+version as soon as a job asks for it, between engine batches, and episodes in flight continue
+on it (their later turns carry the new version).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from materl import compute
+from materl.compiler.context import StepContext
+from materl.compiler.episode import Episode
+from materl.compiler.scheduler import plan_toolboxes, rollout_from_context
+from materl.distributed.versions import WeightStore, load_version
+
+
+@dataclass(frozen=True)
+class Job:
+    step: int  # the step these episodes are for (their seeds depend on it)
+    rows: list  # prompts (or rows with "prompt"/"messages" and columns)
+    groups: tuple[int, ...]  # each row's index in the step's batch
+    version: int  # the policy version to sample from
+    columns: Mapping[str, list] = field(default_factory=dict)
+    rollout_id: str = ""
+    mode: str = "train"
+
+
+def mirrored_agents(agents: Mapping[str, Any], ctx: StepContext) -> list[str]:
+    """The agents the rollout stage samples from (generation nodes' agents) that the learner
+    trains: the ones whose weights a worker must follow version by version."""
+    plan = ctx.plan
+    used = {a for name in plan.episode for a in plan.nodes[name].agents}
+    return sorted(a for a in used if ctx.agents[a].trainable)
+
+
+class LocalWorker:
+    """Runs jobs in this process (a Ray actor wraps one of these in its own process)."""
+
+    def __init__(self, ctx: StepContext, agents: Mapping[str, Any], *, store: WeightStore | None = None,
+                 partial_rollouts: bool = False, name: str = "local"):
+        self.ctx, self.agents, self.store, self.name = ctx, dict(agents), store, name
+        self.partial_rollouts = partial_rollouts
+        self.followed = mirrored_agents(self.agents, ctx)
+        self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
+        self.inflight: dict[int, int] = {}  # version -> episodes running on it
+        self._changed = anyio.Condition()
+
+    async def run(self, job: Job, on_episode=None) -> list[Episode]:
+        await self._use(job.version)
+        self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
+        started = self.version
+        try:
+            ctx = self.ctx.next(step=job.step, rollout_id=job.rollout_id or f"{self.name}:{job.step}", mode=job.mode)
+            return await rollout_from_context(ctx, self.agents, job.rows, dict(job.columns), groups=job.groups,
+                                              on_episode=on_episode)
+        finally:
+            self.inflight[started] -= len(job.rows)
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def _use(self, version: int) -> None:
+        """Hold ``version``'s weights before a job starts (see the module docstring)."""
+        if version == self.version or not self.followed:
+            return
+        if self.store is None:
+            raise RuntimeError(f"worker {self.name!r} holds version {self.version} and has no weight store to "
+                               f"load version {version} from")
+        async with self._changed:
+            while not self.partial_rollouts and any(n for v, n in self.inflight.items() if v != version):
+                await self._changed.wait()
+            if version != self.version:
+                await compute.acall(load_version, self.agents, self.store.get(version), version=version)
+                self.version = version
+
+    async def aclose(self) -> None:
+        """Stop the tool servers this worker started."""
+        for toolbox in plan_toolboxes(self.ctx.plan):
+            await toolbox.aclose()
+
+    @property
+    def load(self) -> int:
+        return sum(self.inflight.values())
