@@ -1,0 +1,168 @@
+"""Run ``kernels/llama_engine.mojo`` over a set of rows with several threads.
+
+    forward = MojoForward(kernel, threads=2)
+    logits_R_V = forward.logits(table, rows, logit_rows)     # rows: (token, position, cache) each
+    tokens, logprobs = forward.sample(table, rows, logit_rows, params, uniforms)
+
+Mojo 1.2.0 has no ``parallelize``, so the threads are Python threads: ``threads - 1`` helper
+threads wait on a queue, and each forward hands every helper its thread index and runs index 0
+in the calling thread (materl's compute thread); ctypes releases the GIL, so all of them run
+the kernel at once and meet at barriers inside it (``kernels/llama/sync.mojo``). The helpers
+never run torch code, so they add no OpenMP pool (``materl/compute.py`` explains why that
+matters).
+
+A KV cache is one float32 tensor per request, shaped (layers, 2, kv_heads, capacity, head_dim):
+keys then values of every layer for positions 0..capacity-1.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from materl.engines.base import SamplingParams
+from materl.engines.mojo_model import ModelTable, Shape
+from materl.errors import EngineError
+
+# Step table layout: mirrors the S_* constants of kernels/llama_engine.mojo.
+S_FIELDS = 17
+ERRORS = {1: "a token id outside the vocabulary", 2: "a position outside its KV cache",
+          3: "a position past the RoPE table", 4: "a workspace too small", 5: "a bad thread index"}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One token to run: its id, its position, and the KV cache of its request."""
+
+    token: int
+    position: int
+    cache: Tensor
+
+
+def new_cache(shape: Shape, capacity: int) -> Tensor:
+    return torch.empty(shape.layers, 2, shape.kv_heads, capacity, shape.head_dim, dtype=torch.float32)
+
+
+def workspace_floats(shape: Shape, rows: int, logit_rows: int, threads: int, context: int) -> int:
+    """Scratch floats one forward needs; mirrors ``Work`` in kernels/llama_engine.mojo."""
+    s = shape
+    shared = rows * (s.hidden + 2 * s.heads * s.head_dim + 2 * s.inter)
+    private = (max(rows, logit_rows) * s.hidden + rows * s.head_dim + (s.heads // s.kv_heads) * (context + 1)
+               + 2 * s.vocab)
+    return shared + threads * private
+
+
+def _sampling_inputs(params: list[SamplingParams], uniforms: list[float]) -> tuple[Tensor, Tensor]:
+    f64 = torch.tensor([[p.temperature if p.temperature > 0 else 1.0, p.top_p, u]
+                        for p, u in zip(params, uniforms)], dtype=torch.float64)
+    i64 = torch.tensor([[p.top_k, int(p.greedy or p.temperature == 0)] for p in params], dtype=torch.int64)
+    return f64, i64
+
+
+def sample_logits(kernel, logits_R_V: Tensor, params: list[SamplingParams], uniforms: list[float]
+                  ) -> tuple[list[int], list[float]]:
+    """The forward's sampling phase on given float32 logits (one thread): tokens and log-probs."""
+    logits = logits_R_V.float().contiguous()
+    rows, vocab = logits.shape
+    f64, i64 = _sampling_inputs(params, uniforms)
+    tokens = torch.zeros(rows, dtype=torch.int64)
+    logprobs = torch.zeros(rows, dtype=torch.float64)
+    scratch = torch.empty(2 * vocab, dtype=torch.float32)
+    kernel.call("llama_sample", "iiiiiiii", logits.data_ptr(), rows, vocab, f64.data_ptr(), i64.data_ptr(),
+                tokens.data_ptr(), logprobs.data_ptr(), scratch.data_ptr())
+    return tokens.tolist(), logprobs.tolist()
+
+
+class _Helper:
+    """A thread that runs the kernel's forward with a fixed thread index, on request."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="materl-mojo-forward", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            args = self.jobs.get()
+            if args is None:
+                return
+            try:
+                self.done.put(self.fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                self.done.put(exc)
+
+
+class MojoForward:
+    """Forward passes of one model through the Mojo kernel; see the module docstring."""
+
+    def __init__(self, kernel, *, threads: int):
+        if not isinstance(threads, int) or threads < 1:
+            raise EngineError(f"threads must be an int >= 1, got {threads!r}")
+        self.fn = kernel.function("llama_forward", "iiiff")
+        self.threads = threads
+        self._helpers = [_Helper(self.fn) for _ in range(threads - 1)]
+        self._workspace = torch.empty(0, dtype=torch.float32)
+        self._barrier = torch.zeros(1, dtype=torch.int64)
+
+    def close(self) -> None:
+        for h in self._helpers:
+            h.jobs.put(None)
+        self._helpers = []
+
+    def release(self) -> None:
+        """Free the workspace (it is reallocated by the next call)."""
+        self._workspace = torch.empty(0, dtype=torch.float32)
+
+    def logits(self, table: ModelTable, rows: list[Row], logit_rows: list[int]) -> Tensor:
+        """Logits (len(logit_rows), vocab) of the given rows after running all of them."""
+        return self._run(table, rows, logit_rows, None, None)[0]
+
+    def sample(self, table: ModelTable, rows: list[Row], logit_rows: list[int], params: list[SamplingParams],
+               uniforms: list[float]) -> tuple[list[int], list[float]]:
+        """Run the rows, then sample one token per logit row (``kernels/llama/sample.mojo``) with
+        that row's params and uniform in [0, 1); returns the tokens and their log-probs."""
+        f64, i64 = _sampling_inputs(params, uniforms)
+        _, tokens, logprobs = self._run(table, rows, logit_rows, f64, i64)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _run(self, table: ModelTable, rows: list[Row], logit_rows: list[int], f64: Tensor | None,
+             i64: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        shape = table.shape
+        context = max(r.position for r in rows) + 1
+        addresses = table.refresh(context)
+        tokens = torch.tensor([r.token for r in rows], dtype=torch.int64)
+        positions = torch.tensor([r.position for r in rows], dtype=torch.int64)
+        caches = torch.tensor([r.cache.data_ptr() for r in rows], dtype=torch.int64)
+        capacity = torch.tensor([r.cache.shape[3] for r in rows], dtype=torch.int64)
+        index = torch.tensor(logit_rows, dtype=torch.int64)
+        logits = torch.empty(len(logit_rows), shape.vocab, dtype=torch.float32)
+        out_tokens = torch.zeros(len(logit_rows), dtype=torch.int64)
+        out_logprobs = torch.zeros(len(logit_rows), dtype=torch.float64)
+        need = workspace_floats(shape, len(rows), len(logit_rows), self.threads, context)
+        if self._workspace.numel() < need:
+            self._workspace = torch.empty(need, dtype=torch.float32)
+        self._barrier.zero_()
+        step = torch.tensor([len(rows), len(logit_rows), self.threads, tokens.data_ptr(), positions.data_ptr(),
+                             caches.data_ptr(), capacity.data_ptr(), index.data_ptr(), logits.data_ptr(),
+                             self._workspace.data_ptr(), self._workspace.numel(), self._barrier.data_ptr(), context,
+                             f64.data_ptr() if f64 is not None else 0, i64.data_ptr() if i64 is not None else 0,
+                             out_tokens.data_ptr(), out_logprobs.data_ptr()], dtype=torch.int64)
+        assert step.numel() == S_FIELDS
+        self._call(addresses.data_ptr(), step.data_ptr(), shape)
+        return logits, out_tokens, out_logprobs
+
+    def _call(self, addresses: int, step: int, shape: Shape) -> None:
+        for i, helper in enumerate(self._helpers, start=1):
+            helper.jobs.put((addresses, step, i, shape.eps, shape.scale))
+        codes = [self.fn(addresses, step, 0, shape.eps, shape.scale)]
+        codes += [h.done.get() for h in self._helpers]
+        for code in codes:
+            if isinstance(code, BaseException):
+                raise EngineError(f"a Mojo forward thread failed: {code!r}") from code
+            if code != 0:
+                raise EngineError(f"the Mojo forward refused its input: {ERRORS.get(code, f'error code {code}')}")
