@@ -26,7 +26,7 @@ def test_loads_lazily_and_reprs_short():
 
 
 def test_bad_arguments_name_the_valid_choices():
-    with pytest.raises(UnknownNameError, match="valid: sglang, transformers"):
+    with pytest.raises(UnknownNameError, match="valid: mojo, sglang, transformers"):
         Agent("tiny-random", engine="vllm")
     with pytest.raises(ConfigError, match="head"):
         Agent("tiny-random", head="q")
