@@ -8,10 +8,11 @@
 # positions 0..pos of its own cache, so there is no padding and no mask.
 #
 # Threads: Python starts the call once per thread (thread = 0..threads-1; ctypes releases the
-# GIL) and the threads meet at a barrier (llama/sync.mojo) between phases. Work is split by
-# output columns (matmuls), by (row, kv head) (attention) or done by every thread for itself
-# (RMSNorm into a private buffer). Which thread computes an element never changes how it is
-# computed (llama/gemm.mojo), so results do not depend on the thread count either.
+# GIL). The pass is a sequence of phases cut into chunks that threads take from a shared ticket
+# counter (llama/sync.mojo): output columns of a matmul, (row, kv head) pairs of attention, rows
+# of sampling. RMSNorm feeding a matmul is done by each thread for itself, into its own buffer.
+# Which thread computes an element never changes how it is computed (llama/gemm.mojo), so
+# results depend neither on the thread count nor on which thread ran what.
 #
 # Calling convention (materl/kernels/loader.py): @export ... abi("C") -> Int; 0 = success.
 # The tables' layouts are mirrored in materl/engines/mojo_layout.py.
@@ -19,7 +20,7 @@
 from llama.gemm import gemm, STORE, ACCUMULATE
 from llama.layers import rmsnorm_row, rope_head, attend_group, silu_mul
 from llama.sample import sample_row
-from llama.sync import Barrier
+from llama.sync import Tickets
 
 comptime FPtr = Pointer[Float32, MutUntrackedOrigin]
 comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
@@ -73,7 +74,7 @@ comptime S_LOGIT_INDEX = 7  # int64 (logit_rows,): which rows get logits
 comptime S_LOGITS = 8  # float32 (logit_rows, vocab)
 comptime S_WORKSPACE = 9
 comptime S_WORKSPACE_FLOATS = 10
-comptime S_BARRIER = 11  # int64, zeroed before the threads start
+comptime S_COUNTERS = 11  # int64 (16,), zeroed before the threads start (llama/sync.mojo)
 comptime S_CONTEXT = 12  # the largest position + 1 of any row
 comptime S_SAMPLE_F = 13  # float64 (logit_rows, 3): temperature, top_p, uniform; 0 = return logits only
 comptime S_SAMPLE_I = 14  # int64 (logit_rows, 2): top_k, greedy
@@ -85,6 +86,17 @@ comptime ERR_POSITION = 2
 comptime ERR_ROPE = 3
 comptime ERR_WORKSPACE = 4
 comptime ERR_THREAD = 5
+
+# phases: 0 the embedding, then KINDS per layer, then the LM head, then sampling
+comptime QKV = 0
+comptime ATTENTION = 1
+comptime OUT_PROJ = 2
+comptime MLP_UP = 3
+comptime MLP_DOWN = 4
+comptime KINDS = 5
+comptime COLS = 64  # matmul output columns per chunk
+comptime VOCAB_COLS = 512  # LM head columns per chunk
+comptime EMBED_ROWS = 16
 
 
 struct Model:
@@ -200,13 +212,41 @@ struct Work:
         self.floats = shared + s.T * private
 
 
-def split(n: Int, T: Int, t: Int) -> Tuple[Int, Int]:
-    """Thread t's share [lo, hi) of n items, in order."""
-    return (n * t // T, n * (t + 1) // T)
+def chunks_of(n: Int, size: Int) -> Int:
+    return (n + size - 1) // size
+
+
+struct Plan:
+    """The phases of one forward pass and how many chunks each has."""
+
+    var layers: Int
+    var head: Int  # phase index of the LM head
+    var phases: Int
+
+    def __init__(out self, m: Model, s: Step):
+        self.layers = m.layers
+        self.head = 1 + KINDS * m.layers
+        self.phases = self.head + (2 if s.tab[unsafe_offset=S_SAMPLE_F] != 0 else 1)
+
+    def chunks(self, m: Model, s: Step, p: Int) -> Int:
+        if p == 0:
+            return chunks_of(s.M, EMBED_ROWS)
+        if p == self.head:
+            return chunks_of(m.V, VOCAB_COLS)
+        if p > self.head:
+            return s.R
+        var kind = (p - 1) % KINDS
+        if kind == QKV:
+            return m.NH + 2 * m.KVH
+        if kind == ATTENTION:
+            return s.M * m.KVH
+        if kind == MLP_UP:
+            return chunks_of(m.I, COLS)
+        return chunks_of(m.H, COLS)  # OUT_PROJ, MLP_DOWN
 
 
 def check(m: Model, s: Step, w: Work, t: Int) -> Int:
-    """The same checks in every thread, before the first barrier, so all return together."""
+    """Refuse bad input before any thread writes anything (every thread checks the same)."""
     if t < 0 or t >= s.T:
         return ERR_THREAD
     if w.floats > Int(s.tab[unsafe_offset=S_WORKSPACE_FLOATS]):
@@ -224,137 +264,172 @@ def check(m: Model, s: Step, w: Work, t: Int) -> Int:
     return 0
 
 
-def qkv_phase(m: Model, s: Step, w: Work, t: Int, layer: Int):
-    """The q, k, v projections of every row, RoPE on q and k, k and v written into the rows' caches.
-    Split by heads: unit u < NH is q head u, then the kv heads' keys, then their values."""
+def embed_chunk(m: Model, s: Step, w: Work, c: Int):
+    var embed = m.at(M_EMBED)
+    for r in range(c * EMBED_ROWS, min((c + 1) * EMBED_ROWS, s.M)):
+        var src = embed.unsafe_offset(Int(s.tokens[unsafe_offset=r]) * m.H)
+        var dst = w.x.unsafe_offset(r * m.H)
+        for k in range(m.H):
+            dst[unsafe_offset=k] = src[unsafe_offset=k]
+
+
+def qkv_chunk(m: Model, s: Step, w: Work, layer: Int, u: Int):
+    """Head unit u of the q, k, v projections (u < NH: q head u; then the kv heads' keys, then
+    their values) for every row; RoPE on q and k; k and v written into the rows' caches."""
     var D = m.D
     var cos = m.at(M_COS)
     var sin = m.at(M_SIN)
-    var units = split(m.NH + 2 * m.KVH, s.T, t)
-    for u in range(units[0], units[1]):
-        if u < m.NH:
-            var y = w.q.unsafe_offset(u * D)
-            gemm(w.xn, m.H, s.M, m.w(layer, Q_W), m.H, u * D, (u + 1) * D, y, m.NH * D, m.w(layer, Q_B),
-                 m.b(layer, Q_B), STORE)
-            for r in range(s.M):
-                var p = s.p(r)
-                rope_head(y.unsafe_offset(r * m.NH * D), cos.unsafe_offset(p * D), sin.unsafe_offset(p * D), D)
-            continue
-        var is_v = u >= m.NH + m.KVH
-        var g = u - m.NH - (m.KVH if is_v else 0)
-        var wi = V_W if is_v else K_W
-        gemm(w.xn, m.H, s.M, m.w(layer, wi), m.H, g * D, (g + 1) * D, w.kvt, D, m.w(layer, wi + 1),
-             m.b(layer, wi + 1), STORE)
+    if u < m.NH:
+        var y = w.q.unsafe_offset(u * D)
+        gemm(w.xn, m.H, s.M, m.w(layer, Q_W), m.H, u * D, (u + 1) * D, y, m.NH * D, m.w(layer, Q_B),
+             m.b(layer, Q_B), STORE)
         for r in range(s.M):
             var p = s.p(r)
-            var src = w.kvt.unsafe_offset(r * D)
-            if not is_v:
-                rope_head(src, cos.unsafe_offset(p * D), sin.unsafe_offset(p * D), D)
-            var dst = s.cache(m, r, layer, 1 if is_v else 0, g).unsafe_offset(p * D)
-            for d in range(D):
-                dst[unsafe_offset=d] = src[unsafe_offset=d]
+            rope_head(y.unsafe_offset(r * m.NH * D), cos.unsafe_offset(p * D), sin.unsafe_offset(p * D), D)
+        return
+    var is_v = u >= m.NH + m.KVH
+    var g = u - m.NH - (m.KVH if is_v else 0)
+    var wi = V_W if is_v else K_W
+    gemm(w.xn, m.H, s.M, m.w(layer, wi), m.H, g * D, (g + 1) * D, w.kvt, D, m.w(layer, wi + 1),
+         m.b(layer, wi + 1), STORE)
+    for r in range(s.M):
+        var p = s.p(r)
+        var src = w.kvt.unsafe_offset(r * D)
+        if not is_v:
+            rope_head(src, cos.unsafe_offset(p * D), sin.unsafe_offset(p * D), D)
+        var dst = s.cache(m, r, layer, 1 if is_v else 0, g).unsafe_offset(p * D)
+        for d in range(D):
+            dst[unsafe_offset=d] = src[unsafe_offset=d]
 
 
-def attention_phase(m: Model, s: Step, w: Work, t: Int, layer: Int, scale: Float32):
+def attention_chunk(m: Model, s: Step, w: Work, layer: Int, unit: Int, scale: Float32):
+    """Attention of row unit // KVH for the query heads of kv head unit % KVH."""
     var G = m.NH // m.KVH
-    var width = m.NH * m.D
-    var unit = t
-    while unit < s.M * m.KVH:  # (row, kv head) pairs, dealt round-robin (prefill rows differ in length)
-        var r = unit // m.KVH
-        var g = unit % m.KVH
-        var at = r * width + g * G * m.D
-        attend_group(w.q.unsafe_offset(at), w.attn.unsafe_offset(at), s.cache(m, r, layer, 0, g),
-                     s.cache(m, r, layer, 1, g), s.p(r) + 1, G, m.D, scale, w.scores)
-        unit += s.T
+    var r = unit // m.KVH
+    var g = unit % m.KVH
+    var at = r * m.NH * m.D + g * G * m.D
+    attend_group(w.q.unsafe_offset(at), w.attn.unsafe_offset(at), s.cache(m, r, layer, 0, g),
+                 s.cache(m, r, layer, 1, g), s.p(r) + 1, G, m.D, scale, w.scores)
 
 
-def mlp_phase(m: Model, s: Step, w: Work, t: Int, layer: Int):
-    """The gate and up projections of this thread's columns, then silu(gate) * up in place."""
-    var cols = split(m.I, s.T, t)
-    var c0 = cols[0]
-    var n = cols[1] - c0
-    gemm(w.xn, m.H, s.M, m.w(layer, GATE_W), m.H, c0, cols[1], w.gate.unsafe_offset(c0), m.I, m.w(layer, GATE_B),
+def mlp_up_chunk(m: Model, s: Step, w: Work, layer: Int, c: Int):
+    """Columns of the gate and up projections, then silu(gate) * up in place."""
+    var c0 = c * COLS
+    var c1 = min(c0 + COLS, m.I)
+    gemm(w.xn, m.H, s.M, m.w(layer, GATE_W), m.H, c0, c1, w.gate.unsafe_offset(c0), m.I, m.w(layer, GATE_B),
          m.b(layer, GATE_B), STORE)
-    gemm(w.xn, m.H, s.M, m.w(layer, UP_W), m.H, c0, cols[1], w.up.unsafe_offset(c0), m.I, m.w(layer, UP_B),
+    gemm(w.xn, m.H, s.M, m.w(layer, UP_W), m.H, c0, c1, w.up.unsafe_offset(c0), m.I, m.w(layer, UP_B),
          m.b(layer, UP_B), STORE)
     for r in range(s.M):
-        silu_mul(w.gate.unsafe_offset(r * m.I + c0), w.up.unsafe_offset(r * m.I + c0), n)
+        silu_mul(w.gate.unsafe_offset(r * m.I + c0), w.up.unsafe_offset(r * m.I + c0), c1 - c0)
 
 
-def norm_rows(m: Model, s: Step, w: Work, weight: FPtr, eps: Float32):
+def residual_chunk(m: Model, s: Step, w: Work, layer: Int, c: Int, src: FPtr, K: Int, which: Int):
+    """Columns of the residual update x += src @ W.T (+ b): attention output or MLP down."""
+    var c0 = c * COLS
+    var c1 = min(c0 + COLS, m.H)
+    gemm(src, K, s.M, m.w(layer, which), K, c0, c1, w.x.unsafe_offset(c0), m.H, m.w(layer, which + 1),
+         m.b(layer, which + 1), ACCUMULATE)
+
+
+def head_chunk(m: Model, s: Step, w: Work, c: Int):
+    var c0 = c * VOCAB_COLS
+    var c1 = min(c0 + VOCAB_COLS, m.V)
+    var logits = FPtr(unsafe_from_address=Int(s.tab[unsafe_offset=S_LOGITS]))
+    gemm(w.xn, m.H, s.R, m.at(M_LM_HEAD), m.H, c0, c1, logits.unsafe_offset(c0), m.V, m.at(M_LM_BIAS),
+         m.has(M_LM_BIAS), STORE)
+
+
+def sample_chunk(m: Model, s: Step, w: Work, i: Int):
+    """One token and its log-prob for logit row i (llama/sample.mojo)."""
+    var pf = F64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_SAMPLE_F]))
+    var pi = I64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_SAMPLE_I]))
+    var logits = FPtr(unsafe_from_address=Int(s.tab[unsafe_offset=S_LOGITS]))
+    var got = sample_row(logits.unsafe_offset(i * m.V), m.V, Float32(pf[unsafe_offset=3 * i]), Int(pi[unsafe_offset=2 * i]),
+                         pf[unsafe_offset=3 * i + 1], pi[unsafe_offset=2 * i + 1] != 0, pf[unsafe_offset=3 * i + 2],
+                         w.cv, w.ci)
+    I64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_TOKENS_OUT]))[unsafe_offset=i] = Int64(got[0])
+    F64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_LOGPROBS_OUT]))[unsafe_offset=i] = Float64(got[1])
+
+
+def normalize(m: Model, s: Step, w: Work, plan: Plan, p: Int, eps: Float32):
+    """This thread's xn for phase p: RMSNorm of x with the weight the phase's matmul follows
+    (the LM head: only the rows that get logits)."""
+    if p == plan.head:
+        for i in range(s.R):
+            var row = Int(s.logit_index[unsafe_offset=i])
+            rmsnorm_row(w.x.unsafe_offset(row * m.H), w.xn.unsafe_offset(i * m.H), m.at(M_NORM), m.H, eps)
+        return
+    var layer = (p - 1) // KINDS
+    var weight = m.w(layer, IN_NORM) if (p - 1) % KINDS == QKV else m.w(layer, POST_NORM)
     for r in range(s.M):
         rmsnorm_row(w.x.unsafe_offset(r * m.H), w.xn.unsafe_offset(r * m.H), weight, m.H, eps)
 
 
-def layer_forward(m: Model, s: Step, w: Work, t: Int, layer: Int, eps: Float32, scale: Float32, mut bar: Barrier):
-    var hcols = split(m.H, s.T, t)
-    norm_rows(m, s, w, m.w(layer, IN_NORM), eps)
-    qkv_phase(m, s, w, t, layer)
-    bar.wait()
-    attention_phase(m, s, w, t, layer, scale)
-    bar.wait()
-    var attn_width = m.NH * m.D
-    gemm(w.attn, attn_width, s.M, m.w(layer, O_W), attn_width, hcols[0], hcols[1], w.x.unsafe_offset(hcols[0]), m.H,
-         m.w(layer, O_B), m.b(layer, O_B), ACCUMULATE)
-    bar.wait()
-    norm_rows(m, s, w, m.w(layer, POST_NORM), eps)
-    mlp_phase(m, s, w, t, layer)
-    bar.wait()
-    gemm(w.gate, m.I, s.M, m.w(layer, DOWN_W), m.I, hcols[0], hcols[1], w.x.unsafe_offset(hcols[0]), m.H,
-         m.w(layer, DOWN_B), m.b(layer, DOWN_B), ACCUMULATE)
-    bar.wait()
+def run_chunk(m: Model, s: Step, w: Work, plan: Plan, p: Int, c: Int, scale: Float32):
+    if p == 0:
+        embed_chunk(m, s, w, c)
+    elif p == plan.head:
+        head_chunk(m, s, w, c)
+    elif p > plan.head:
+        sample_chunk(m, s, w, c)
+    else:
+        var layer = (p - 1) // KINDS
+        var kind = (p - 1) % KINDS
+        if kind == QKV:
+            qkv_chunk(m, s, w, layer, c)
+        elif kind == ATTENTION:
+            attention_chunk(m, s, w, layer, c, scale)
+        elif kind == OUT_PROJ:
+            residual_chunk(m, s, w, layer, c, w.attn, m.NH * m.D, O_W)
+        elif kind == MLP_UP:
+            mlp_up_chunk(m, s, w, layer, c)
+        else:
+            residual_chunk(m, s, w, layer, c, w.gate, m.I, DOWN_W)
+
+
+@always_inline
+def needs_norm(plan: Plan, p: Int) -> Bool:
+    if p == plan.head:
+        return True
+    if p == 0 or p > plan.head:
+        return False
+    var kind = (p - 1) % KINDS
+    return kind == QKV or kind == MLP_UP
 
 
 @export
 def llama_forward(model_addr: Int, step_addr: Int, thread: Int, eps: Float64, scale: Float64) abi("C") -> Int:
-    """Thread ``thread``'s part of one forward pass; every thread of the step must be called."""
+    """Thread ``thread``'s part of one forward pass: it takes chunks until none are left. Every
+    thread of the step must be called; all return once the pass (and sampling) is complete."""
     var m = Model(model_addr)
     var s = Step(step_addr)
     var w = Work(m, s, thread)
     var err = check(m, s, w, thread)
     if err != 0:
         return err
-    var bar = Barrier(Int(s.tab[unsafe_offset=S_BARRIER]), s.T)
-    var embed = m.at(M_EMBED)
-    var r = thread
-    while r < s.M:
-        var src = embed.unsafe_offset(Int(s.tokens[unsafe_offset=r]) * m.H)
-        var dst = w.x.unsafe_offset(r * m.H)
-        for k in range(m.H):
-            dst[unsafe_offset=k] = src[unsafe_offset=k]
-        r += s.T
-    bar.wait()
+    var plan = Plan(m, s)
+    var tickets = Tickets(Int(s.tab[unsafe_offset=S_COUNTERS]))
     var eps32 = Float32(eps)
     var scale32 = Float32(scale)
-    for layer in range(m.layers):
-        layer_forward(m, s, w, thread, layer, eps32, scale32, bar)
-    for i in range(s.R):  # the final norm of the rows that get logits, then the LM head's columns
-        var row = Int(s.logit_index[unsafe_offset=i])
-        rmsnorm_row(w.x.unsafe_offset(row * m.H), w.xn.unsafe_offset(i * m.H), m.at(M_NORM), m.H, eps32)
-    var vcols = split(m.V, s.T, thread)
-    var logits = FPtr(unsafe_from_address=Int(s.tab[unsafe_offset=S_LOGITS]))
-    gemm(w.xn, m.H, s.R, m.at(M_LM_HEAD), m.H, vcols[0], vcols[1], logits.unsafe_offset(vcols[0]), m.V,
-         m.at(M_LM_BIAS), m.has(M_LM_BIAS), STORE)
-    if s.tab[unsafe_offset=S_SAMPLE_F] != 0:
-        bar.wait()
-        sample_rows(m, s, w, thread, logits)
-    return 0
-
-
-def sample_rows(m: Model, s: Step, w: Work, t: Int, logits: FPtr):
-    """One token and its log-prob per logit row (llama/sample.mojo), rows dealt round-robin."""
-    var pf = F64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_SAMPLE_F]))
-    var pi = I64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_SAMPLE_I]))
-    var tokens = I64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_TOKENS_OUT]))
-    var logprobs = F64Ptr(unsafe_from_address=Int(s.tab[unsafe_offset=S_LOGPROBS_OUT]))
-    var i = t
-    while i < s.R:
-        var got = sample_row(logits.unsafe_offset(i * m.V), m.V, Float32(pf[unsafe_offset=3 * i]),
-                             Int(pi[unsafe_offset=2 * i]), pf[unsafe_offset=3 * i + 1], pi[unsafe_offset=2 * i + 1] != 0,
-                             pf[unsafe_offset=3 * i + 2], w.cv, w.ci)
-        tokens[unsafe_offset=i] = Int64(got[0])
-        logprobs[unsafe_offset=i] = Float64(got[1])
-        i += s.T
+    var p = 0
+    var first = 0  # first ticket of phase p
+    var n = plan.chunks(m, s, 0)
+    var normed = -1  # the phase this thread's xn was computed for
+    while True:
+        var i = tickets.take()
+        while i >= first + n:
+            first += n
+            p += 1
+            if p == plan.phases:
+                return 0
+            n = plan.chunks(m, s, p)
+        tickets.wait_done(first)  # every chunk of the earlier phases
+        if needs_norm(plan, p) and normed != p:
+            normalize(m, s, w, plan, p, eps32)
+            normed = p
+        run_chunk(m, s, w, plan, p, i - first, scale32)
+        tickets.finish()
 
 
 @export

@@ -1,6 +1,15 @@
-# A spin-then-yield barrier for the engine's threads (materl/engines/mojo_engine.py starts them;
-# Mojo 1.2.0 has no parallelize, so Python threads call into the same forward pass, each with its
-# thread index, and meet here between phases).
+# Work sharing between the engine's threads (materl/engines/mojo_forward.py starts them; Mojo
+# 1.2.0 has no parallelize, so Python threads call into the same forward pass, each with its
+# thread index).
+#
+# A forward pass is a sequence of phases (embedding, then per layer: q/k/v, attention, output
+# projection, MLP up, MLP down; then the LM head and sampling); phase p is cut into chunks that
+# can run in any order. Chunks of all phases are numbered in one sequence and handed out by an
+# atomic ticket counter: a thread takes the next ticket, waits until every chunk of the earlier
+# phases is done (a second counter), runs its chunk and counts it done. So threads never wait
+# for each other to *arrive* anywhere, only for work to finish: a thread the OS has descheduled
+# while holding no chunk delays nobody (the others take its share), which matters on a shared
+# machine. Which thread runs a chunk never changes what the chunk computes (llama/gemm.mojo).
 
 from std.atomic import Atomic, Ordering
 from std.ffi import external_call
@@ -8,37 +17,33 @@ from std.sys import llvm_intrinsic
 
 comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 
-# spins (with the x86 pause hint) before each sched_yield: a wait of a few microseconds stays on
-# the core; a peer that was descheduled (a busy machine) gets the core back instead of a spinner.
-comptime SPINS_BEFORE_YIELD = 4000
+# spins (with the x86 pause hint) between sched_yield calls while waiting for a phase to finish
+comptime SPINS_BEFORE_YIELD = 2000
+comptime DONE_OFFSET = 8  # the done counter sits a cache line after the ticket counter
 
 
-struct Barrier:
-    """All ``threads`` callers of ``wait`` return only after every one has arrived.
+struct Tickets:
+    """The two counters (int64, zeroed by the caller before the threads start): next ticket and
+    chunks done."""
 
-    ``counter`` is an int64 that the caller zeroes before the threads start; each thread counts
-    its own barriers (``epoch``), so barrier e is passed when the counter reaches e * threads.
-    The atomic add is sequentially consistent and the wait loads with acquire ordering, so every
-    write a thread made before the barrier is visible to every thread after it.
-    """
+    var ticket: I64Ptr
+    var done: I64Ptr
 
-    var counter: I64Ptr
-    var threads: Int
-    var epoch: Int
+    def __init__(out self, addr: Int):
+        self.ticket = I64Ptr(unsafe_from_address=addr)
+        self.done = I64Ptr(unsafe_from_address=addr + DONE_OFFSET * 8)
 
-    def __init__(out self, counter_addr: Int, threads: Int):
-        self.counter = I64Ptr(unsafe_from_address=counter_addr)
-        self.threads = threads
-        self.epoch = 0
+    def take(self) -> Int:
+        return Int(Atomic[Int64].fetch_add(self.ticket, 1))
 
-    def wait(mut self):
-        if self.threads == 1:
-            return
-        self.epoch += 1
-        _ = Atomic[Int64].fetch_add(self.counter, 1)
-        var target = Int64(self.epoch * self.threads)
+    def finish(self):
+        _ = Atomic[Int64].fetch_add(self.done, 1)
+
+    def wait_done(self, count: Int):
+        """Return once ``count`` chunks are done (acquire: their writes are visible)."""
+        var target = Int64(count)
         var spins = 0
-        while Atomic[Int64].load[ordering=Ordering.ACQUIRE](self.counter) < target:
+        while Atomic[Int64].load[ordering=Ordering.ACQUIRE](self.done) < target:
             spins += 1
             if spins < SPINS_BEFORE_YIELD:
                 llvm_intrinsic["llvm.x86.sse2.pause", NoneType]()

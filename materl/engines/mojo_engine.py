@@ -212,8 +212,10 @@ class MojoEngine:
         return req.result
 
     def sync_weights(self) -> None:
-        """The forward reads the agent's parameters in place; merged LoRA copies are rebuilt when
-        their sources change (checked every step). Nothing to do."""
+        """The forward reads the agent's parameters in place, so an in-place update needs nothing;
+        the next step re-reads which tensors the model holds and re-merges the LoRA layers whose
+        weights changed (``mojo_model.ModelTable``)."""
+        self.table.invalidate()
 
     def sleep(self) -> None:
         """Free decode-only memory while the learner runs: merged copies of trainable weights and
@@ -268,6 +270,8 @@ class MojoEngine:
         """Admit, run one forward over every running request, sample; return finished requests."""
         start = time.perf_counter()
         with self.model_lock, torch.no_grad():
+            if not self._running:  # a batch from idle: weights may have changed since the last one
+                self.table.invalidate()
             self._running = [s for s in self._running if not s.request.cancelled]
             for seq in self._running:
                 if seq.copies is not None and seq.copies.request.cancelled:

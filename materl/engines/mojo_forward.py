@@ -7,7 +7,7 @@
 Mojo 1.2.0 has no ``parallelize``, so the threads are Python threads: ``threads - 1`` helper
 threads wait on a queue, and each forward hands every helper its thread index and runs index 0
 in the calling thread (materl's compute thread); ctypes releases the GIL, so all of them run
-the kernel at once and meet at barriers inside it (``kernels/llama/sync.mojo``). The helpers
+the kernel at once, sharing its work through atomic counters (``kernels/llama/sync.mojo``). The helpers
 never run torch code, so they add no OpenMP pool (``materl/compute.py`` explains why that
 matters).
 
@@ -107,7 +107,7 @@ class MojoForward:
         self.threads = threads
         self._helpers = [_Helper(self.fn) for _ in range(threads - 1)]
         self._workspace = torch.empty(0, dtype=torch.float32)
-        self._barrier = torch.zeros(1, dtype=torch.int64)
+        self._counters = torch.zeros(16, dtype=torch.int64)
 
     def close(self) -> None:
         for h in self._helpers:
@@ -134,7 +134,7 @@ class MojoForward:
              i64: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         shape = table.shape
         context = max(r.position for r in rows) + 1
-        addresses = table.refresh(context)
+        addresses = table.addresses(context)
         tokens = torch.tensor([r.token for r in rows], dtype=torch.int64)
         positions = torch.tensor([r.position for r in rows], dtype=torch.int64)
         caches = torch.tensor([r.cache.data_ptr() for r in rows], dtype=torch.int64)
@@ -146,10 +146,10 @@ class MojoForward:
         need = workspace_floats(shape, len(rows), len(logit_rows), self.threads, context)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32)
-        self._barrier.zero_()
+        self._counters.zero_()
         step = torch.tensor([len(rows), len(logit_rows), self.threads, tokens.data_ptr(), positions.data_ptr(),
                              caches.data_ptr(), capacity.data_ptr(), index.data_ptr(), logits.data_ptr(),
-                             self._workspace.data_ptr(), self._workspace.numel(), self._barrier.data_ptr(), context,
+                             self._workspace.data_ptr(), self._workspace.numel(), self._counters.data_ptr(), context,
                              f64.data_ptr() if f64 is not None else 0, i64.data_ptr() if i64 is not None else 0,
                              out_tokens.data_ptr(), out_logprobs.data_ptr()], dtype=torch.int64)
         assert step.numel() == S_FIELDS

@@ -3,7 +3,8 @@
 
     shape = model_shape(lm)            # EngineError naming what the Mojo forward cannot run
     table = ModelTable(lm)
-    addresses = table.refresh()        # int64 tensor; call before every forward
+    addresses = table.addresses(n)     # int64 tensor for a forward reaching position n - 1
+    table.invalidate()                 # after weights changed: the next call re-reads the model
 
 Weights are read in place: a float32, contiguous CPU parameter's own storage goes into the table
 (``tensor.data_ptr()``), so an optimizer step, which updates parameters in place, is seen by the
@@ -12,8 +13,10 @@ in place: a peft LoRA layer (one merged weight ``W + scale * B @ A`` per layer, 
 ``decode_weights.py`` does for the transformers engine) or a tensor that is not float32 and
 contiguous. Copies are keyed on their sources' storage pointers and in-place version counters
 and rebuilt only when one of those changed, so after a learner update only the layers whose
-weights changed are merged again. ``clear()`` drops the copies of trainable weights (the engine's
-``sleep``); copies of frozen weights stay.
+weights changed are merged again. The table is re-read from the model after ``invalidate()``
+(the engine calls it from ``sync_weights``, ``sleep`` and whenever a batch starts from idle),
+not every step: walking ~250 tensors costs milliseconds. ``clear()`` drops the copies of
+trainable weights (the engine's ``sleep``); copies of frozen weights stay.
 
 RoPE: cos/sin for positions 0..n-1 come from the model's own rotary module (``rotary_emb``), so
 every rope type whose frequencies depend only on the position (default, linear, llama3, yarn, ...)
@@ -115,9 +118,8 @@ class ModelTable:
         self.copies = 0  # matrices copied or merged so far (tests and benchmarks read it)
         self._copied: dict[int, tuple[tuple, Tensor, Tensor | None, bool]] = {}  # id -> key, weight, bias, frozen
         self._cos = self._sin = torch.empty(0)
-        self._table = torch.zeros(M_LAYER0 + PER_LAYER * self.shape.layers, dtype=torch.int64)
-        s = self.shape
-        self._table[:M_EMBED] = torch.tensor([s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.vocab])
+        self._table: Tensor | None = None
+        self._lora = _lora_type()
 
     @property
     def rope_positions(self) -> int:
@@ -126,25 +128,40 @@ class ModelTable:
     def clear(self, *, frozen: bool = False) -> None:
         """Drop copies of trainable weights (of frozen ones too if ``frozen``)."""
         self._copied = {} if frozen else {k: v for k, v in self._copied.items() if v[3]}
+        self._table = None
 
-    def refresh(self, positions: int = 1) -> Tensor:
-        """The table for the model's current weights, with RoPE tables for ``positions``."""
+    def invalidate(self) -> None:
+        """Re-read the model's weights at the next ``addresses`` call."""
+        self._table = None
+
+    def addresses(self, positions: int = 1) -> Tensor:
+        """The table for the model's weights (as of the last ``invalidate``) with RoPE tables for
+        positions 0..positions-1."""
+        if positions > self.rope_positions:
+            self._ensure_rope(positions)
+            self._table = None
+        if self._table is None:
+            self._table = self._read()
+        return self._table
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _read(self) -> Tensor:
+        s = self.shape
+        t = [0] * (M_LAYER0 + PER_LAYER * s.layers)
+        t[:M_EMBED] = [s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim, s.inter, s.vocab]
         decoder = self.lm.get_decoder()
-        t = self._table
         t[M_EMBED] = self._address(decoder.embed_tokens.weight)
         t[M_NORM] = self._address(decoder.norm.weight)
         t[M_LM_HEAD], t[M_LM_BIAS] = self._linear(self.lm.get_output_embeddings())
+        t[M_COS], t[M_SIN], t[M_ROPE_POSITIONS] = self._cos.data_ptr(), self._sin.data_ptr(), self.rope_positions
         for i, layer in enumerate(decoder.layers):
             base = M_LAYER0 + i * PER_LAYER
             t[base + IN_NORM] = self._address(layer.input_layernorm.weight)
             t[base + POST_NORM] = self._address(layer.post_attention_layernorm.weight)
             for (block, name), slot in zip(LINEARS, LINEAR_SLOTS):
                 t[base + slot], t[base + slot + 1] = self._linear(getattr(getattr(layer, block), name))
-        self._ensure_rope(positions)
-        t[M_COS], t[M_SIN], t[M_ROPE_POSITIONS] = self._cos.data_ptr(), self._sin.data_ptr(), self.rope_positions
-        return t
-
-    # -- internals -----------------------------------------------------------------------------
+        return torch.tensor(t, dtype=torch.int64)
 
     def _address(self, tensor: Tensor) -> int:
         if _in_place(tensor):
@@ -153,7 +170,7 @@ class ModelTable:
 
     def _linear(self, module: nn.Module) -> tuple[int, int]:
         """(weight address, bias address or 0) of a Linear or an active peft LoRA layer."""
-        lora = _lora_type()
+        lora = self._lora
         if lora and isinstance(module, lora) and not module.merged and not module.disable_adapters:
             base = module.get_base_layer()
             adapters = [a for a in module.active_adapters if a in module.lora_A]
