@@ -5,7 +5,9 @@
 # One call runs every layer for a set of rows; a row is one token of one request: its token id,
 # its position and the address of its request's KV cache. Prefill (many rows of one request),
 # decode (one row per request) and both at once are the same call. Each row attends to
-# positions 0..pos of its own cache, so there is no padding and no mask.
+# positions 0..pos of its own cache, so there is no padding and no mask. A mirror writes a row's
+# keys and values into a second cache as well (another request whose prompt shares that
+# position's prefix), so a shared prefix is computed once.
 #
 # Threads: Python starts the call once per thread (thread = 0..threads-1; ctypes releases the
 # GIL). The pass is a sequence of phases cut into chunks that threads take from a shared ticket
@@ -80,6 +82,10 @@ comptime S_SAMPLE_F = 13  # float64 (logit_rows, 3): temperature, top_p, uniform
 comptime S_SAMPLE_I = 14  # int64 (logit_rows, 2): top_k, greedy
 comptime S_TOKENS_OUT = 15  # int64 (logit_rows,)
 comptime S_LOGPROBS_OUT = 16  # float64 (logit_rows,)
+comptime S_MIRRORS = 17  # how many mirrors: a row's keys and values also written into another cache
+comptime S_MIRROR_ROW = 18  # int64 (mirrors,): the row
+comptime S_MIRROR_KV = 19  # int64 (mirrors,): the other cache (same position)
+comptime S_MIRROR_CAPACITY = 20  # int64 (mirrors,)
 
 comptime ERR_TOKEN = 1
 comptime ERR_POSITION = 2
@@ -143,6 +149,10 @@ struct Step:
     var kv: I64Ptr
     var cap: I64Ptr
     var logit_index: I64Ptr
+    var mirrors: Int
+    var mirror_row: I64Ptr
+    var mirror_kv: I64Ptr
+    var mirror_cap: I64Ptr
 
     def __init__(out self, addr: Int):
         self.tab = I64Ptr(unsafe_from_address=addr)
@@ -155,6 +165,10 @@ struct Step:
         self.kv = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_KV]))
         self.cap = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_KV_CAPACITY]))
         self.logit_index = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_LOGIT_INDEX]))
+        self.mirrors = Int(self.tab[unsafe_offset=S_MIRRORS])
+        self.mirror_row = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_MIRROR_ROW]))
+        self.mirror_kv = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_MIRROR_KV]))
+        self.mirror_cap = I64Ptr(unsafe_from_address=Int(self.tab[unsafe_offset=S_MIRROR_CAPACITY]))
 
     def p(self, r: Int) -> Int:
         return Int(self.pos[unsafe_offset=r])
@@ -164,6 +178,12 @@ struct Step:
         Cache layout: (layers, 2, kv_heads, capacity, head_dim) float32."""
         var cap = Int(self.cap[unsafe_offset=r])
         var base = Int(self.kv[unsafe_offset=r])
+        return FPtr(unsafe_from_address=base + (((layer * 2 + which) * m.KVH + g) * cap) * m.D * 4)
+
+    def mirror(self, m: Model, i: Int, layer: Int, which: Int, g: Int) -> FPtr:
+        """Like ``cache`` for mirror i's cache."""
+        var cap = Int(self.mirror_cap[unsafe_offset=i])
+        var base = Int(self.mirror_kv[unsafe_offset=i])
         return FPtr(unsafe_from_address=base + (((layer * 2 + which) * m.KVH + g) * cap) * m.D * 4)
 
 
@@ -261,6 +281,10 @@ def check(m: Model, s: Step, w: Work, t: Int) -> Int:
             return ERR_POSITION
         if p >= rope:
             return ERR_ROPE
+    for i in range(s.mirrors):
+        var r = Int(s.mirror_row[unsafe_offset=i])
+        if r < 0 or r >= s.M or s.p(r) >= Int(s.mirror_cap[unsafe_offset=i]):
+            return ERR_POSITION
     return 0
 
 
@@ -292,14 +316,22 @@ def qkv_chunk(m: Model, s: Step, w: Work, layer: Int, u: Int):
     var wi = V_W if is_v else K_W
     gemm(w.xn, m.H, s.M, m.w(layer, wi), m.H, g * D, (g + 1) * D, w.kvt, D, m.w(layer, wi + 1),
          m.b(layer, wi + 1), STORE)
+    var which = 1 if is_v else 0
     for r in range(s.M):
         var p = s.p(r)
         var src = w.kvt.unsafe_offset(r * D)
         if not is_v:
             rope_head(src, cos.unsafe_offset(p * D), sin.unsafe_offset(p * D), D)
-        var dst = s.cache(m, r, layer, 1 if is_v else 0, g).unsafe_offset(p * D)
-        for d in range(D):
-            dst[unsafe_offset=d] = src[unsafe_offset=d]
+        copy_head(src, s.cache(m, r, layer, which, g).unsafe_offset(p * D), D)
+    for i in range(s.mirrors):  # the same bits into the caches that share these positions
+        var r = Int(s.mirror_row[unsafe_offset=i])
+        copy_head(w.kvt.unsafe_offset(r * D), s.mirror(m, i, layer, which, g).unsafe_offset(s.p(r) * D), D)
+
+
+@always_inline
+def copy_head(src: FPtr, dst: FPtr, D: Int):
+    for d in range(D):
+        dst[unsafe_offset=d] = src[unsafe_offset=d]
 
 
 def attention_chunk(m: Model, s: Step, w: Work, layer: Int, unit: Int, scale: Float32):

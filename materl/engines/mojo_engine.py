@@ -11,10 +11,13 @@ for a set of rows, one row per token: prefill, decode, or both at once.
 
 Scheduling. Requests join and leave between decode steps. Each step, in materl's compute
 thread: new requests are admitted (up to ``max_batch`` running) and their prompts fed (at most
-``prefill_chunk`` prompt tokens a step; identical prompts admitted together run once and the
-others copy the cache), every running request feeds its last sampled token, one forward pass
-runs over all of those rows, the requests that got logits sample a token, and requests that
-stop return to their callers at once. The event loop runs between steps, so an episode whose
+``prefill_chunk`` prompt tokens a step), every running request feeds its last sampled token, one
+forward pass runs over all of those rows, the requests that got logits sample a token, and
+requests that stop return to their callers at once. A prompt prefix already in a cache is not
+computed again (``mojo_prefix.py``): identical prompts admitted together run once, a prompt
+sharing a prefix with a running or recently finished request (a system prompt, a multi-turn
+episode's previous turn) copies those positions, and requests admitted together compute a
+shared prefix once. The event loop runs between steps, so an episode whose
 turn ended calls its tool while the others keep decoding, and its next turn joins the running
 batch. One of the waiting ``generate`` calls drives the steps; when its own request is done it
 hands that role to another.
@@ -53,6 +56,7 @@ from materl import compute
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.mojo_forward import MojoForward, Row, new_cache
 from materl.engines.mojo_model import ModelTable
+from materl.engines.mojo_prefix import PrefixPool, common_prefix
 from materl.engines.sampling import StopRule, check_request, eos_ids, request_seed
 from materl.errors import ConfigError, EngineError, KernelError
 from materl.kernels import loader
@@ -68,7 +72,8 @@ class MojoEngineStats:
     steps: int = 0
     requests: int = 0
     tokens: int = 0  # sampled
-    prompt_tokens: int = 0  # fed as prompt rows (prompts shared by identical requests count once)
+    prompt_tokens: int = 0  # prompt positions computed
+    reused_tokens: int = 0  # prompt positions copied from a cache or computed once for several requests
     decode_s: float = 0.0
     largest_batch: int = 0
 
@@ -105,11 +110,16 @@ class _Seq:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     copies: "_Seq | None" = None  # an identical prompt admitted with it, whose cache and logits it reuses
+    share: "tuple[_Seq, int] | None" = None  # (a request admitted with it, how many prompt tokens they share)
     peers: int = 1  # the most requests that shared a step with it
 
     @property
     def prompt(self) -> list[int]:
         return self.request.prompt_ids
+
+    def cached(self) -> list[int]:
+        """The tokens whose keys and values its cache holds."""
+        return (self.prompt + self.ids)[: self.fed]
 
 
 def mojo_available() -> tuple[bool, str]:
@@ -128,13 +138,16 @@ class MojoEngine:
     """In-process engine whose forward pass is Mojo; see the module docstring."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.005,
-                 threads: int | None = None, prefill_chunk: int = 512):
+                 threads: int | None = None, prefill_chunk: int = 512, prefix_cache_mb: int = 512):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
             raise ConfigError(f"batch_window_s must be >= 0, got {batch_window_s!r}")
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
+        if not isinstance(prefix_cache_mb, int) or prefix_cache_mb < 0:
+            raise ConfigError(f"prefix_cache_mb must be an int >= 0 (0: keep no finished caches), "
+                              f"got {prefix_cache_mb!r}")
         threads = torch.get_num_threads() if threads is None else threads
         if not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be an int >= 1, got {threads!r}")
@@ -151,6 +164,8 @@ class MojoEngine:
         self.stats = MojoEngineStats()
         self.model_lock = threading.Lock()  # held during a step; see TransformersEngine.model_lock
         self.eos_ids = eos_ids(model, tokenizer)
+        self.pool = PrefixPool(prefix_cache_mb << 20)
+        self._weights_seen: tuple | None = None
         self._waiting: list[_Request] = []  # event-loop side
         self._running: list[_Seq] = []  # compute-thread side (touched only inside a step)
         self._driver: _Request | None = None
@@ -212,15 +227,19 @@ class MojoEngine:
         return req.result
 
     def sync_weights(self) -> None:
-        """The forward reads the agent's parameters in place, so an in-place update needs nothing;
-        the next step re-reads which tensors the model holds and re-merges the LoRA layers whose
-        weights changed (``mojo_model.ModelTable``)."""
+        """The forward reads the agent's parameters in place, so an in-place update needs no copy;
+        the next step re-reads which tensors the model holds, re-merges the LoRA layers whose
+        weights changed (``mojo_model.ModelTable``) and forgets cached prefixes. (Each step also
+        checks every parameter's storage and version, so a change made without this call is
+        seen too.)"""
         self.table.invalidate()
+        self.pool.clear()
 
     def sleep(self) -> None:
-        """Free decode-only memory while the learner runs: merged copies of trainable weights and
-        the workspace (rebuilt by the next step)."""
+        """Free decode-only memory while the learner runs: merged copies of trainable weights,
+        kept prefixes and the workspace (rebuilt by the next step)."""
         self.table.clear()
+        self.pool.clear()
         self.forward.release()
 
     async def aclose(self) -> None:
@@ -270,49 +289,87 @@ class MojoEngine:
         """Admit, run one forward over every running request, sample; return finished requests."""
         start = time.perf_counter()
         with self.model_lock, torch.no_grad():
-            if not self._running:  # a batch from idle: weights may have changed since the last one
-                self.table.invalidate()
+            self._check_weights()
             self._running = [s for s in self._running if not s.request.cancelled]
             for seq in self._running:
                 if seq.copies is not None and seq.copies.request.cancelled:
                     seq.copies = None  # what it was to copy is gone: it runs its own prompt
             self._running += self._admit([r for r in admitted if not r.cancelled])
-            rows, sampling = self._plan()
-            finished = self._run(rows, sampling) if sampling or rows else []
+            rows, sampling, mirrors = self._plan()
+            finished = self._run(rows, sampling, mirrors) if sampling or rows else []
         s = self.stats
         s.steps += 1
         s.decode_s += time.perf_counter() - start
         s.largest_batch = max(s.largest_batch, len(self._running) + len(finished))
         return finished
 
+    def _check_weights(self) -> None:
+        """Re-read the model table and forget kept prefixes if any parameter was replaced or
+        changed in place since the last step."""
+        seen = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        if seen != self._weights_seen:
+            self.table.invalidate()
+            self.pool.clear()
+            self._weights_seen = seen
+
     def _admit(self, requests: list[_Request]) -> list[_Seq]:
-        """New sequences; a prompt identical to one admitted with it copies that one's cache."""
+        """New sequences, each reusing what it can of a cached or co-admitted prompt prefix."""
         shape = self.table.shape
         seqs, first = [], {}
         for r in requests:
             seq = _Seq(r, torch.Generator().manual_seed(r.seed), StopRule.of(r.params, self.eos_ids),
                        new_cache(shape, len(r.prompt_ids) + r.params.max_new_tokens))
-            seq.copies = first.setdefault(tuple(r.prompt_ids), seq)
-            if seq.copies is seq:
-                seq.copies = None
+            twin = first.setdefault(tuple(r.prompt_ids), seq)
+            if twin is not seq:
+                seq.copies = twin  # the same prompt: its cache and its last logits
+                self.stats.reused_tokens += len(seq.prompt)
+            else:
+                self._reuse(seq, seqs)
             seqs.append(seq)
         self.stats.requests += len(requests)
         return seqs
 
-    def _plan(self) -> tuple[list[Row], list[_Seq]]:
-        """This step's rows, and the sequences that sample a token after it (in logit-row order)."""
+    def _reuse(self, seq: _Seq, admitted: list[_Seq]) -> None:
+        """Copy the longest cached prefix of the prompt (all but its last token, whose logits the
+        request needs) or, if a request admitted with it shares a longer one, plan to mirror it."""
+        limit = len(seq.prompt) - 1
+        best, length = self.pool.best(seq.prompt, limit)
+        source = best.cache if best is not None else None
+        for other in self._running:
+            n = min(common_prefix(seq.prompt, other.cached()), limit)
+            if n > length:
+                source, length = other.cache, n
+        for other in admitted:
+            n = min(common_prefix(seq.prompt, other.prompt), limit)
+            if other.copies is None and n > max(length, seq.share[1] if seq.share else 0):
+                seq.share = (other, n)
+        if seq.share is not None:
+            return
+        if length:
+            seq.cache[:, :, :, :length] = source[:, :, :, :length]
+            seq.fed = length
+            self.stats.reused_tokens += length
+
+    def _plan(self) -> tuple[list[Row], list[_Seq], list[tuple[int, torch.Tensor]]]:
+        """This step's rows, the sequences that sample after it (in logit-row order) and the
+        mirrors (a computed row's keys and values also written into another request's cache)."""
         rows: list[Row] = []
         sampling: list[_Seq] = []
+        mirrors: list[tuple[int, torch.Tensor]] = []
+        rows_of: dict[int, list[int]] = {}  # per request fed from position 0 this step: the row of each position
         self._logit_rows: list[int] = []
         budget = self.prefill_chunk
         for seq in self._running:
             if seq.copies is not None:
                 continue
             if seq.fed < len(seq.prompt):  # prefill: the next chunk of the prompt
-                take = min(len(seq.prompt) - seq.fed, budget)
+                shared = self._mirror(seq, rows_of, mirrors)
+                start, take = seq.fed, min(len(seq.prompt) - seq.fed, budget)
                 if take <= 0:
                     continue
-                rows += [Row(t, seq.fed + i, seq.cache) for i, t in enumerate(seq.prompt[seq.fed : seq.fed + take])]
+                rows += [Row(t, start + i, seq.cache) for i, t in enumerate(seq.prompt[start : start + take])]
+                if start == len(shared):
+                    rows_of[id(seq)] = shared + list(range(len(rows) - take, len(rows)))
                 budget -= take
                 self.stats.prompt_tokens += take
                 seq.fed += take
@@ -323,15 +380,30 @@ class MojoEngine:
                 seq.fed += 1
             sampling.append(seq)
             self._logit_rows.append(len(rows) - 1)
-        return rows, sampling
+        return rows, sampling, mirrors
 
-    def _run(self, rows: list[Row], sampling: list[_Seq]) -> list[_Request]:
+    def _mirror(self, seq: _Seq, rows_of: dict[int, list[int]], mirrors: list) -> list[int]:
+        """If ``seq`` shares a prefix with a request whose rows for it run in this step, mirror
+        them into its cache; returns the rows of its positions so shared (or [])."""
+        if seq.share is None:
+            return []
+        donor, length = seq.share
+        seq.share = None
+        donor_rows = rows_of.get(id(donor), [])
+        if seq.fed or len(donor_rows) < length:  # the donor's prefix is not computed this step
+            return []
+        mirrors += [(row, seq.cache) for row in donor_rows[:length]]
+        seq.fed = length
+        self.stats.reused_tokens += length
+        return donor_rows[:length]
+
+    def _run(self, rows: list[Row], sampling: list[_Seq], mirrors: list) -> list[_Request]:
         copies = [s for s in self._running if s.copies is not None and s.copies in sampling]
         logit_rows = self._logit_rows + [self._logit_rows[sampling.index(s.copies)] for s in copies]
         sampling = sampling + copies
         params = [s.request.params for s in sampling]
         uniforms = [torch.rand((), generator=s.generator).item() for s in sampling]
-        tokens, logprobs = self.forward.sample(self.table, rows, logit_rows, params, uniforms)
+        tokens, logprobs = self.forward.sample(self.table, rows, logit_rows, params, uniforms, mirrors=mirrors)
         for seq in copies:  # the prompt ran once; its cache is the same bits for every copy
             n = len(seq.prompt)
             seq.cache[:, :, :, :n] = seq.copies.cache[:, :, :, :n]
@@ -345,6 +417,7 @@ class MojoEngine:
             if reason is not None:
                 seq.request.result = self._generation(seq, reason)
                 finished.append(seq.request)
+                self.pool.add(seq.cached(), seq.cache)
         self.stats.tokens += len(sampling)
         done = {id(r) for r in finished}
         self._running = [s for s in self._running if id(s.request) not in done]

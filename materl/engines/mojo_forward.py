@@ -2,7 +2,7 @@
 
     forward = MojoForward(kernel, threads=2)
     logits_R_V = forward.logits(table, rows, logit_rows)     # rows: (token, position, cache) each
-    tokens, logprobs = forward.sample(table, rows, logit_rows, params, uniforms)
+    tokens, logprobs = forward.sample(table, rows, logit_rows, params, uniforms, mirrors=[(row, cache)])
 
 Mojo 1.2.0 has no ``parallelize``, so the threads are Python threads: ``threads - 1`` helper
 threads wait on a queue, and each forward hands every helper its thread index and runs index 0
@@ -12,7 +12,9 @@ never run torch code, so they add no OpenMP pool (``materl/compute.py`` explains
 matters).
 
 A KV cache is one float32 tensor per request, shaped (layers, 2, kv_heads, capacity, head_dim):
-keys then values of every layer for positions 0..capacity-1.
+keys then values of every layer for positions 0..capacity-1. A mirror ``(row, cache)`` writes
+that row's keys and values into ``cache`` too, at the row's position: a prompt prefix shared by
+requests admitted together is computed once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from materl.engines.mojo_model import ModelTable, Shape
 from materl.errors import EngineError
 
 # Step table layout: mirrors the S_* constants of kernels/llama_engine.mojo.
-S_FIELDS = 17
+S_FIELDS = 21
 ERRORS = {1: "a token id outside the vocabulary", 2: "a position outside its KV cache",
           3: "a position past the RoPE table", 4: "a workspace too small", 5: "a bad thread index"}
 
@@ -118,20 +120,21 @@ class MojoForward:
         """Free the workspace (it is reallocated by the next call)."""
         self._workspace = torch.empty(0, dtype=torch.float32)
 
-    def logits(self, table: ModelTable, rows: list[Row], logit_rows: list[int]) -> Tensor:
+    def logits(self, table: ModelTable, rows: list[Row], logit_rows: list[int], *,
+               mirrors: list[tuple[int, Tensor]] = ()) -> Tensor:
         """Logits (len(logit_rows), vocab) of the given rows after running all of them."""
-        return self._run(table, rows, logit_rows, None, None)[0]
+        return self._run(table, rows, logit_rows, None, None, mirrors)[0]
 
     def sample(self, table: ModelTable, rows: list[Row], logit_rows: list[int], params: list[SamplingParams],
-               uniforms: list[float]) -> tuple[list[int], list[float]]:
+               uniforms: list[float], *, mirrors: list[tuple[int, Tensor]] = ()) -> tuple[list[int], list[float]]:
         """Run the rows, then sample one token per logit row (``kernels/llama/sample.mojo``) with
         that row's params and uniform in [0, 1); returns the tokens and their log-probs."""
         f64, i64 = _sampling_inputs(params, uniforms)
-        _, tokens, logprobs = self._run(table, rows, logit_rows, f64, i64)
+        _, tokens, logprobs = self._run(table, rows, logit_rows, f64, i64, mirrors)
         return tokens.tolist(), logprobs.tolist()
 
     def _run(self, table: ModelTable, rows: list[Row], logit_rows: list[int], f64: Tensor | None,
-             i64: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+             i64: Tensor | None, mirrors) -> tuple[Tensor, Tensor, Tensor]:
         shape = table.shape
         context = max(r.position for r in rows) + 1
         addresses = table.addresses(context)
@@ -143,6 +146,9 @@ class MojoForward:
         logits = torch.empty(len(logit_rows), shape.vocab, dtype=torch.float32)
         out_tokens = torch.zeros(len(logit_rows), dtype=torch.int64)
         out_logprobs = torch.zeros(len(logit_rows), dtype=torch.float64)
+        mirror_rows = torch.tensor([r for r, _ in mirrors], dtype=torch.int64)
+        mirror_kv = torch.tensor([c.data_ptr() for _, c in mirrors], dtype=torch.int64)
+        mirror_cap = torch.tensor([c.shape[3] for _, c in mirrors], dtype=torch.int64)
         need = workspace_floats(shape, len(rows), len(logit_rows), self.threads, context)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32)
@@ -151,7 +157,8 @@ class MojoForward:
                              caches.data_ptr(), capacity.data_ptr(), index.data_ptr(), logits.data_ptr(),
                              self._workspace.data_ptr(), self._workspace.numel(), self._counters.data_ptr(), context,
                              f64.data_ptr() if f64 is not None else 0, i64.data_ptr() if i64 is not None else 0,
-                             out_tokens.data_ptr(), out_logprobs.data_ptr()], dtype=torch.int64)
+                             out_tokens.data_ptr(), out_logprobs.data_ptr(), len(mirrors), mirror_rows.data_ptr(),
+                             mirror_kv.data_ptr(), mirror_cap.data_ptr()], dtype=torch.int64)
         assert step.numel() == S_FIELDS
         self._call(addresses.data_ptr(), step.data_ptr(), shape)
         return logits, out_tokens, out_logprobs

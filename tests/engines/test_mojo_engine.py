@@ -109,6 +109,38 @@ async def test_identical_prompts_run_once_and_sample_apart(tiny):
     assert [g.logprobs for g in gens] == [g.logprobs for g in solo]
 
 
+async def test_shared_prefixes_are_computed_once_and_change_no_bits(tiny):
+    system = list(range(300, 332))  # a 32-token "system prompt" two requests share
+    a, b = system + [104, 105], system + [106, 107, 108]
+    params = SamplingParams(max_new_tokens=6, seed=9)
+    engine = engine_of(*tiny)
+    together = await asyncio.gather(engine.generate(a, params), engine.generate(b, params))
+    assert engine.stats.reused_tokens == 32 and engine.stats.prompt_tokens == len(a) + len(b) - 32
+    solo = [await engine_of(*tiny, prefix_cache_mb=0).generate(p, params) for p in (a, b)]
+    assert [g.logprobs for g in together] == [g.logprobs for g in solo]
+    # a second turn: the first turn's prompt + its completion + a tool's answer; its cache is reused
+    turn2 = a + together[0].token_ids + [116, 111, 111, 108]
+    before = engine.stats.reused_tokens
+    second = await engine.generate(turn2, params)
+    assert engine.stats.reused_tokens - before == len(a) + len(together[0].token_ids) - 1
+    assert second.logprobs == (await engine_of(*tiny, prefix_cache_mb=0).generate(turn2, params)).logprobs
+    assert len(engine.pool) == 3
+
+
+async def test_kept_prefixes_are_dropped_when_weights_change():
+    model, tok = load_model("tiny-random")
+    engine = engine_of(model.eval(), tok)
+    params = SamplingParams(max_new_tokens=4, seed=1)
+    first = await engine.generate(PROMPTS[2], params)
+    assert len(engine.pool) == 1
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.add_(0.1)  # no sync_weights: the step notices
+    again = await engine.generate(PROMPTS[2] + first.token_ids, params)
+    assert engine.stats.reused_tokens == 0  # nothing computed with the old weights was reused
+    ref = teacher_forced_logprobs(model, PROMPTS[2] + first.token_ids, again.token_ids)
+    assert torch.allclose(torch.tensor(again.logprobs, dtype=torch.float64), ref, atol=1e-5)
+
+
 async def test_logprobs_match_the_teacher_forced_model(tiny):
     model, tok = tiny
     engine = engine_of(model, tok)
