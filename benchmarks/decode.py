@@ -5,7 +5,8 @@ Speed. For each batch size (``--batches``, default 1 and 8) and number of new to
 (``--new-tokens``, default 32 and 64): B chat prompts (SmolLM2's chat template, distinct short
 questions), sampled at temperature 1 (no top-k/top-p), every row producing exactly N tokens
 (HF: ``min_new_tokens=N``; engines: eos ids emptied, so a sampled eos does not stop a row; the
-work per row is the same either way). Timed: the wall time of the whole call (prefill, decode,
+work per row is the same either way). The Mojo engine computes the prompts' shared prefix (the
+chat template's system turn) once within a call, and keeps nothing across calls. Timed: the wall time of the whole call (prefill, decode,
 sampling, Python) for ``generate`` on a left-padded batch, and for B concurrent
 ``engine.generate`` calls. tokens/s = B * N / time. The three run alternately for ``--rounds``
 rounds after one warm-up round; the table shows medians and the ratios.
@@ -69,6 +70,10 @@ def hf_generate(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> 
 
 
 def engine_generate(engine, prompts: list[list[int]], new_tokens: int, seed: int) -> tuple[float, list]:
+    pool = getattr(engine, "pool", None)
+    if pool is not None:  # every call starts cold, as generate() does: no prompt kept from the last round
+        pool.clear()
+
     async def run():
         params = [SamplingParams(max_new_tokens=new_tokens, seed=seed + i) for i in range(len(prompts))]
         return await asyncio.gather(*[engine.generate(p, q) for p, q in zip(prompts, params)])

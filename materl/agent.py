@@ -42,7 +42,7 @@ from materl.engines import models as _models
 from materl.engines.base import ENGINES
 from materl.errors import ConfigError
 
-DEFAULT_ENGINE = "transformers"
+DEFAULT_ENGINE = "mojo"
 """The engine of an Agent made with ``engine=None``."""
 
 

@@ -13,11 +13,12 @@
 
 from std.atomic import Atomic, Ordering
 from std.ffi import external_call
-from std.sys import llvm_intrinsic
+from std.sys import CompilationTarget, llvm_intrinsic
 
 comptime I64Ptr = Pointer[Int64, MutUntrackedOrigin]
 
-# spins (with the x86 pause hint) between sched_yield calls while waiting for a phase to finish
+# spins (with the x86 pause hint; plain spins elsewhere) between sched_yield calls while waiting
+# for a phase to finish
 comptime SPINS_BEFORE_YIELD = 2000
 comptime DONE_OFFSET = 8  # the done counter sits a cache line after the ticket counter
 
@@ -46,7 +47,8 @@ struct Tickets:
         while Atomic[Int64].load[ordering=Ordering.ACQUIRE](self.done) < target:
             spins += 1
             if spins < SPINS_BEFORE_YIELD:
-                llvm_intrinsic["llvm.x86.sse2.pause", NoneType]()
+                comptime if CompilationTarget.is_x86():
+                    llvm_intrinsic["llvm.x86.sse2.pause", NoneType]()
             else:
                 _ = external_call["sched_yield", Int32]()
                 spins = 0
