@@ -9,7 +9,9 @@ threads wait on a queue, and each forward hands every helper its thread index an
 in the calling thread (materl's compute thread); ctypes releases the GIL, so all of them run
 the kernel at once, sharing its work through atomic counters (``kernels/llama/sync.mojo``). The helpers
 never run torch code, so they add no OpenMP pool (``materl/compute.py`` explains why that
-matters).
+matters). A call uses all the threads or only the calling one, whichever has been faster lately
+(``ThreadChooser``): on a machine whose cores are busy with other processes, threads that keep
+waiting for a descheduled peer lose to one thread. The results are the same bits either way.
 
 A KV cache is one float32 tensor per request, shaped (layers, 2, kv_heads, capacity, head_dim):
 keys then values of every layer for positions 0..capacity-1. A mirror ``(row, cache)`` writes
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +102,36 @@ class _Helper:
                 self.done.put(exc)
 
 
+class ThreadChooser:
+    """How many threads a forward uses: 1 or all, whichever had the lower recent cost (seconds
+    per row, plus ``FIXED_ROWS`` for the weights every call streams), trying the other every
+    ``EXPLORE_EVERY`` calls so a change in the machine's load is noticed."""
+
+    EXPLORE_EVERY = 8
+    FIXED_ROWS = 32
+    DECAY = 0.7  # weight of the old estimate
+
+    def __init__(self, threads: int):
+        self.options = sorted({1, threads})
+        self.cost: dict[int, float] = {}
+        self.calls = 0
+        self.used = {t: 0 for t in self.options}  # calls per thread count (benchmarks report it)
+
+    def pick(self) -> int:
+        self.calls += 1
+        untried = [t for t in self.options if t not in self.cost]
+        if untried:
+            return untried[-1]
+        ranked = sorted(self.options, key=self.cost.__getitem__)
+        return ranked[-1] if self.calls % self.EXPLORE_EVERY == 0 else ranked[0]
+
+    def record(self, threads: int, seconds: float, rows: int) -> None:
+        self.used[threads] += 1
+        cost = seconds / (rows + self.FIXED_ROWS)
+        old = self.cost.get(threads)
+        self.cost[threads] = cost if old is None else self.DECAY * old + (1 - self.DECAY) * cost
+
+
 class MojoForward:
     """Forward passes of one model through the Mojo kernel; see the module docstring."""
 
@@ -107,6 +140,7 @@ class MojoForward:
             raise EngineError(f"threads must be an int >= 1, got {threads!r}")
         self.fn = kernel.function("llama_forward", "iiiff")
         self.threads = threads
+        self.chooser = ThreadChooser(threads)
         self._helpers = [_Helper(self.fn) for _ in range(threads - 1)]
         self._workspace = torch.empty(0, dtype=torch.float32)
         self._counters = torch.zeros(16, dtype=torch.int64)
@@ -149,25 +183,29 @@ class MojoForward:
         mirror_rows = torch.tensor([r for r, _ in mirrors], dtype=torch.int64)
         mirror_kv = torch.tensor([c.data_ptr() for _, c in mirrors], dtype=torch.int64)
         mirror_cap = torch.tensor([c.shape[3] for _, c in mirrors], dtype=torch.int64)
-        need = workspace_floats(shape, len(rows), len(logit_rows), self.threads, context)
+        threads = self.chooser.pick()
+        need = workspace_floats(shape, len(rows), len(logit_rows), threads, context)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32)
         self._counters.zero_()
-        step = torch.tensor([len(rows), len(logit_rows), self.threads, tokens.data_ptr(), positions.data_ptr(),
+        step = torch.tensor([len(rows), len(logit_rows), threads, tokens.data_ptr(), positions.data_ptr(),
                              caches.data_ptr(), capacity.data_ptr(), index.data_ptr(), logits.data_ptr(),
                              self._workspace.data_ptr(), self._workspace.numel(), self._counters.data_ptr(), context,
                              f64.data_ptr() if f64 is not None else 0, i64.data_ptr() if i64 is not None else 0,
                              out_tokens.data_ptr(), out_logprobs.data_ptr(), len(mirrors), mirror_rows.data_ptr(),
                              mirror_kv.data_ptr(), mirror_cap.data_ptr()], dtype=torch.int64)
         assert step.numel() == S_FIELDS
-        self._call(addresses.data_ptr(), step.data_ptr(), shape)
+        start = time.perf_counter()
+        self._call(addresses.data_ptr(), step.data_ptr(), shape, threads)
+        self.chooser.record(threads, time.perf_counter() - start, len(rows))
         return logits, out_tokens, out_logprobs
 
-    def _call(self, addresses: int, step: int, shape: Shape) -> None:
-        for i, helper in enumerate(self._helpers, start=1):
+    def _call(self, addresses: int, step: int, shape: Shape, threads: int) -> None:
+        helpers = self._helpers[: threads - 1]
+        for i, helper in enumerate(helpers, start=1):
             helper.jobs.put((addresses, step, i, shape.eps, shape.scale))
         codes = [self.fn(addresses, step, 0, shape.eps, shape.scale)]
-        codes += [h.done.get() for h in self._helpers]
+        codes += [h.done.get() for h in helpers]
         for code in codes:
             if isinstance(code, BaseException):
                 raise EngineError(f"a Mojo forward thread failed: {code!r}") from code
