@@ -165,6 +165,7 @@ class MojoEngine:
         self.model_lock = threading.Lock()  # held during a step; see TransformersEngine.model_lock
         self.eos_ids = eos_ids(model, tokenizer)
         self.pool = PrefixPool(prefix_cache_mb << 20)
+        self._params: list | None = None
         self._weights_seen: tuple | None = None
         self._waiting: list[_Request] = []  # event-loop side
         self._running: list[_Seq] = []  # compute-thread side (touched only inside a step)
@@ -234,6 +235,7 @@ class MojoEngine:
         seen too.)"""
         self.table.invalidate()
         self.pool.clear()
+        self._params = None
 
     def sleep(self) -> None:
         """Free decode-only memory while the learner runs: merged copies of trainable weights,
@@ -304,9 +306,13 @@ class MojoEngine:
         return finished
 
     def _check_weights(self) -> None:
-        """Re-read the model table and forget kept prefixes if any parameter was replaced or
-        changed in place since the last step."""
-        seen = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        """Re-read the model table and forget kept prefixes if any parameter changed in place
+        (or was given new storage) since the last step. The parameter list itself (walking the
+        modules costs milliseconds) is re-read after ``sync_weights`` and when a batch starts
+        from idle, which is when a parameter object can have been replaced."""
+        if self._params is None or not self._running:
+            self._params = list(self.model.parameters())
+        seen = tuple((p.data_ptr(), p._version) for p in self._params)
         if seen != self._weights_seen:
             self.table.invalidate()
             self.pool.clear()

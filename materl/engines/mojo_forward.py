@@ -146,9 +146,14 @@ class MojoForward:
         self._counters = torch.zeros(16, dtype=torch.int64)
 
     def close(self) -> None:
+        """Stop the helper threads (later calls run in the calling thread alone: a chunk nobody
+        else takes is taken by it, so nothing waits for a missing thread)."""
         for h in self._helpers:
             h.jobs.put(None)
         self._helpers = []
+
+    def __del__(self):
+        self.close()
 
     def release(self) -> None:
         """Free the workspace (it is reallocated by the next call)."""
