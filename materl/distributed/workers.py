@@ -40,12 +40,16 @@ class Job:
     mode: str = "train"
 
 
-def mirrored_agents(agents: Mapping[str, Any], ctx: StepContext) -> list[str]:
-    """The agents the rollout stage samples from (generation nodes' agents) that the learner
-    trains: the ones whose weights a worker must follow version by version."""
+def rollout_agent_names(ctx: StepContext) -> list[str]:
+    """The agents the rollout stage uses (the agents of its episode-scope nodes)."""
     plan = ctx.plan
-    used = {a for name in plan.episode for a in plan.nodes[name].agents}
-    return sorted(a for a in used if ctx.agents[a].trainable)
+    return sorted({a for name in plan.episode for a in plan.nodes[name].agents})
+
+
+def mirrored_agents(agents: Mapping[str, Any], ctx: StepContext) -> list[str]:
+    """The rollout agents the learner trains: the ones whose weights a worker must follow
+    version by version."""
+    return [a for a in rollout_agent_names(ctx) if ctx.agents[a].trainable]
 
 
 class LocalWorker:
@@ -59,8 +63,16 @@ class LocalWorker:
         self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
         self.inflight: dict[int, int] = {}  # version -> episodes running on it
         self._changed = anyio.Condition()
+        self._starting = anyio.Lock()
+
+    async def start(self) -> None:
+        """Start the plan's tool servers in this worker (once; later calls return at once)."""
+        async with self._starting:
+            for toolbox in plan_toolboxes(self.ctx.plan):
+                await toolbox.start()
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
+        await self.start()
         await self._use(job.version)
         self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
         started = self.version
@@ -84,7 +96,7 @@ class LocalWorker:
             while not self.partial_rollouts and any(n for v, n in self.inflight.items() if v != version):
                 await self._changed.wait()
             if version != self.version:
-                await compute.acall(load_version, self.agents, self.store.get(version), version=version)
+                await compute.acall(_load, self.agents, self.store, version)
                 self.version = version
 
     async def aclose(self) -> None:
@@ -95,3 +107,8 @@ class LocalWorker:
     @property
     def load(self) -> int:
         return sum(self.inflight.values())
+
+
+def _load(agents: Mapping[str, Any], store: WeightStore, version: int) -> None:
+    """Fetch a version (a file read, or a Ray object) and copy it in, off the event loop."""
+    load_version(agents, store.get(version), version=version)
