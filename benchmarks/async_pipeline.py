@@ -49,6 +49,11 @@ def latency(token_ids: list[int], median: float) -> float:
     return median * math.exp(SIGMA * z)
 
 
+def even_tokens(*, completion_ids, **_) -> list[float]:
+    """A reward a random model can learn: the share of even token ids (tool tokens included)."""
+    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
 def slow_tool_recipe(toolbox, median: float):
     @ml.op
     async def call_slow_tool(step) -> {"step": StepResult}:
@@ -63,7 +68,7 @@ def slow_tool_recipe(toolbox, median: float):
         results = ml.call_tools(turn_1, tools=toolbox, name="tool_results")
         rollout = ml.structure_rollout(ml.generate_step(policy, turn_1.history, results, tools=toolbox,
                                                         name="turn_2"), name="rollout")
-        rewards = ml.reward("length", rollout=rollout, target=6)
+        rewards = ml.reward(even_tokens, rollout=rollout)
         ml.set_loss(ml.policy_loss(ml.advantages(rewards, completions=rollout), ml.logprobs(policy, prompts, rollout)))
 
     return slow_tool_grpo

@@ -113,6 +113,8 @@ class RolloutActor:
 
     async def run(self, job: Job, refs: list[Mapping[int, Any]]) -> list[Episode]:
         self.store.refs.update(refs[0])
+        if job.version != self.worker.version and job.version in self.store.refs:
+            await self.store.fetch(job.version)  # awaited here: the actor's event loop keeps running
         try:
             return await self.worker.run(job)
         finally:
@@ -137,20 +139,24 @@ class _ActorStore:
 
     def __init__(self, folder: str | None):
         self.refs: dict[int, Any] = {}
+        self.fetched: dict[int, Any] = {}
         self.disk = DiskStore(folder) if folder else None
+
+    async def fetch(self, version: int) -> None:
+        if version not in self.fetched:
+            self.fetched[version] = await self.refs[version]
 
     def get(self, version: int):
         if self.disk is not None:
             return self.disk.get(version)
-        import ray
-
-        if version not in self.refs:
+        if version not in self.fetched:
             raise ConfigError(f"no weights of version {version} were sent to this worker; have {sorted(self.refs)}")
-        return ray.get(self.refs[version])
+        return self.fetched[version]
 
     def forget_below(self, version: int) -> None:
-        for v in [v for v in self.refs if v < version]:
-            del self.refs[v]
+        for table in (self.refs, self.fetched):
+            for v in [v for v in table if v < version]:
+                del table[v]
 
 
 class RayWorker:

@@ -8,10 +8,14 @@ from; the worker loads that version from the weight store if it holds another, r
 stage (``rollout_from_context``) and returns the finished episodes, every token tagged with the
 version that sampled it.
 
-With ``partial_rollouts=False`` a worker changes version only when no episode is running on the
-old one (episodes finish on the version they started with); with ``True`` it loads a new
-version as soon as a job asks for it, between engine batches, and episodes in flight continue
-on it (their later turns carry the new version).
+A job names the newest version (``version``) and the oldest it may use (``oldest``: the staleness
+bound). With ``partial_rollouts=False`` episodes finish on the version they started with, so a
+worker whose episodes are still running keeps its version for a new job as long as it is not
+older than ``oldest`` (the new batch starts at once, overlapping the old batch's stragglers);
+an idle worker moves to the newest version; a worker behind the bound waits for its episodes to
+finish, then moves. With ``partial_rollouts=True`` it loads the newest version as soon as a job
+asks for it, between engine batches, and episodes in flight continue on it (their later turns
+carry the new version). Deterministic runs give ``oldest == version``: exactly that version.
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ class Job:
     step: int  # the step these episodes are for (their seeds depend on it)
     rows: list  # prompts (or rows with "prompt"/"messages" and columns)
     groups: tuple[int, ...]  # each row's index in the step's batch
-    version: int  # the policy version to sample from
+    version: int  # the newest policy version (the one to move to)
     columns: Mapping[str, list] = field(default_factory=dict)
     rollout_id: str = ""
     mode: str = "train"
+    oldest: int | None = None  # the oldest version the job may sample from (None: exactly `version`)
 
 
 def rollout_agent_names(ctx: StepContext) -> list[str]:
@@ -73,7 +78,7 @@ class LocalWorker:
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
         await self.start()
-        await self._use(job.version)
+        await self._use(job.version, job.version if job.oldest is None else job.oldest)
         self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
         started = self.version
         try:
@@ -85,10 +90,14 @@ class LocalWorker:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _use(self, version: int) -> None:
-        """Hold ``version``'s weights before a job starts (see the module docstring)."""
+    async def _use(self, version: int, oldest: int) -> None:
+        """Hold weights of a version in ``[oldest, version]`` before a job starts (see the module
+        docstring)."""
         if version == self.version or not self.followed:
             return
+        busy = any(self.inflight.values())
+        if not self.partial_rollouts and busy and oldest <= self.version <= version:
+            return  # keep sampling with the version still in use
         if self.store is None:
             raise RuntimeError(f"worker {self.name!r} holds version {self.version} and has no weight store to "
                                f"load version {version} from")

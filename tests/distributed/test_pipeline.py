@@ -120,11 +120,12 @@ def two_turns(policy, prompts):
                                ml.logprobs(policy, prompts, rollout)))
 
 
-@pytest.mark.parametrize("partial", [True, False])
-def test_partial_rollouts_continue_on_new_weights(partial):
+@pytest.mark.parametrize("partial, oldest", [(True, None), (False, None), (False, 0)])
+def test_partial_rollouts_continue_on_new_weights(partial, oldest):
     """A job for version 1 arrives while an episode of version 0 waits between its turns: with
     ``partial_rollouts`` the worker loads version 1 at once and the episode's second turn is
-    sampled (and tagged) with it; without, the new job waits for the old episode to finish."""
+    sampled (and tagged) with it; without, the new job waits for the old episode to finish, or,
+    if the bound lets it use version 0 (``oldest=0``), starts at once on version 0."""
     step = ml.compile(two_turns, policy=ml.Agent("tiny-random", trainable=True), group_size=1, max_new_tokens=4)
     store = InProcessStore()
     store.publish(0, version_state(step.agents, ["policy"]))
@@ -140,7 +141,8 @@ def test_partial_rollouts_continue_on_new_weights(partial):
         WaitsForNewWeights.waiting, WaitsForNewWeights.release = anyio.Event(), anyio.Event()
         async with anyio.create_task_group() as tg:
             async def job(version, prompt):
-                eps = await worker.run(Job(step=version, rows=[prompt], groups=(0,), version=version))
+                eps = await worker.run(Job(step=version, rows=[prompt], groups=(0,), version=version,
+                                           oldest=oldest if version == 1 else None))
                 order.append(version)
                 results[version] = eps
 
@@ -150,6 +152,8 @@ def test_partial_rollouts_continue_on_new_weights(partial):
             tg.start_soon(job, 1, "second")
             if partial:
                 await wait_until(lambda: worker.version == 1)
+            if oldest is not None:
+                await wait_until(lambda: worker.load == 2)  # both running, on version 0
             WaitsForNewWeights.release.set()
         return results
 
@@ -160,10 +164,10 @@ def test_partial_rollouts_continue_on_new_weights(partial):
     first = results[0][0].values["rollout"]
     turns = [s.metadata.get("version") for s in first.steps if s.trainable]
     assert turns == ([0, 1] if partial else [0, 0])
-    if not partial:
+    if not partial and oldest is None:
         assert order == [0, 1]  # the version-1 job started only after the version-0 episode ended
     second = results[1][0].values["rollout"]
-    assert {s.metadata.get("version") for s in second.steps if s.trainable} == {1}
+    assert {s.metadata.get("version") for s in second.steps if s.trainable} == ({0} if oldest == 0 else {1})
 
 
 async def wait_until(condition, passes=10_000):
