@@ -12,7 +12,7 @@ configuration: episodes per second over the steps after the first, the ratio to 
 mean reward of the first and the last half of the steps, staleness, and the weight-publication
 time per step.
 
-    OMP_NUM_THREADS=1 python benchmarks/async_pipeline.py [--steps 12] [--batch 4] [--group 4]
+    OMP_NUM_THREADS=1 python benchmarks/async_pipeline.py [--steps 10] [--batch 4] [--group 4] [--median 1.0]
                                                           [--model tiny-random] [--no-ray]
 """
 
@@ -74,8 +74,9 @@ def slow_tool_recipe(toolbox, median: float):
     return slow_tool_grpo
 
 
-def one_run(args, *, staleness: int, workers: int = 0) -> dict:
-    recipe = slow_tool_recipe(ml.mcp_tools(SERVER), args.median)
+def one_run(args, *, staleness: int, workers: int = 0, median: float | None = None) -> dict:
+    median = args.median if median is None else median
+    recipe = slow_tool_recipe(ml.mcp_tools(SERVER, max_concurrency=64), median)  # a service sized for the load
     step = ml.compile(recipe, policy=ml.Agent(args.model, trainable=True), group_size=args.group,
                       max_new_tokens=args.max_new_tokens, lr=1e-4, seed=0, max_staleness=staleness)
     done: list[float] = []
@@ -100,10 +101,10 @@ def one_run(args, *, staleness: int, workers: int = 0) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument("--median", type=float, default=0.2, help="median tool latency, seconds")
+    parser.add_argument("--median", type=float, default=1.0, help="median tool latency, seconds")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--model", default="tiny-random")
     parser.add_argument("--no-ray", action="store_true", help="skip the Ray worker configurations")
@@ -129,22 +130,29 @@ def main() -> None:
 def cost_model(args, results: dict) -> None:
     """The cost model fitted on the lock-step run: its prediction for the measured
     configurations, then for 8 and 64 workers."""
-    wait = expected_max_lognormal(args.median, SIGMA, args.batch * args.group)
-    s = Stages.measured(results["lock-step (S=0)"]["history"], tool_wait_s=wait)
-    print(f"\ncost model from the lock-step run: generation {s.generate_s:.2f}s, tool wait {s.tool_wait_s:.2f}s "
-          f"(E[max] of {s.episodes} waits), learner {s.learn_s:.2f}s, publish {1e3 * s.publish_s:.1f}ms per step")
+    fast = one_run(args, staleness=0, median=1e-3)["history"]  # tools that answer at once: generation alone
+    generate = statistics.median(m["time/stage/rollout"] for m in fast[1:])
+    s = Stages.measured(results["lock-step (S=0)"]["history"], generate_s=generate)
+    print(f"\ncost model from the lock-step runs: generation {s.generate_s:.2f}s (tools answering at once), tool wait "
+          f"{s.tool_wait_s:.2f}s (E[max] of {s.episodes} lognormal waits: "
+          f"{expected_max_lognormal(args.median, SIGMA, s.episodes):.2f}s), learner {s.learn_s:.2f}s, publish "
+          f"{1e3 * s.publish_s:.1f}ms per step")
     print("| configuration | measured episodes/s | predicted | predicted / measured |")
     print("|---|---|---|---|")
-    for label, S in [("S=1", 1), ("S=2", 2), ("S=4", 4)]:
-        predicted = s.episodes / step_time(s, workers=1, staleness=S)
-        print(f"| {label} | {results[label]['eps_per_s']:.2f} | {predicted:.2f} | "
-              f"{predicted / results[label]['eps_per_s']:.2f} |")
-    print("\n| workers | lock-step episodes/s | S=2 episodes/s | S=2 with 8 learner ranks |")
-    print("|---|---|---|---|")
+    for label, S, n in [("S=1", 1, 0), ("S=2", 2, 0), ("S=4", 4, 0), ("S=2, 1 Ray worker", 2, 1),
+                        ("S=2, 2 Ray workers", 2, 2)]:
+        if label in results:
+            predicted = s.episodes / step_time(s, workers=max(n, 1), staleness=S, in_process=n == 0)
+            print(f"| {label} | {results[label]['eps_per_s']:.2f} | {predicted:.2f} | "
+                  f"{predicted / results[label]['eps_per_s']:.2f} |")
+    heavy = s.scaled(20)  # the same task with 20x the model work per episode (a bigger model)
+    print(f"\npredicted episodes/s, this task and the same task with 20x the generation and learner work:")
+    print("| workers | lock-step | S=2 | S=2, 8 learner ranks | 20x: lock-step | 20x: S=2 | 20x: S=2, 8 learner ranks |")
+    print("|---|---|---|---|---|---|---|")
     for n in (1, 8, 64):
-        print(f"| {n} | {s.episodes / step_time(s, workers=n, staleness=0):.1f} | "
-              f"{s.episodes / step_time(s, workers=n, staleness=2):.1f} | "
-              f"{s.episodes / step_time(s, workers=n, staleness=2, learner_ranks=8):.1f} |")
+        row = [st.episodes / step_time(st, workers=n, staleness=S, learner_ranks=r)
+               for st in (s, heavy) for S, r in ((0, 1), (2, 1), (2, 8))]
+        print(f"| {n} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
 
 
 if __name__ == "__main__":
