@@ -168,6 +168,14 @@ def test_errors_name_what_is_wrong(tiny):
     with pytest.raises(CompileError, match="policy loss 'policy_loss' has an off-policy correction \\(tis\\) but its "
                                            "log-probs %logprobs \\(logprobs\\) are not recomputed"):
         ml.compile(unrecomputed, policy=tiny(trainable=True))
+    @ml.recipe
+    def frozen(policy, ref_policy, prompts):
+        c = ml.generate(policy, prompts)
+        ml.set_loss(ml.grpo_loss(ml.advantages(ml.reward("length")), ml.logprobs(policy, prompts, c),
+                                 ml.logprobs(ref_policy, prompts, c, recompute=True, name="ref_logprobs")))
+
+    with pytest.raises(CompileError, match="node 'ref_logprobs' has recompute=True but agent 'ref_policy' is frozen"):
+        ml.compile(frozen, policy=tiny(trainable=True), ref_policy=tiny())
     with pytest.raises(ml.UnknownNameError, match="decoupled"):
         ml.with_off_policy_correction(grpo, "decoupld")
     with pytest.raises(ConfigError, match="'decoupled' takes cap, level; got upper"):

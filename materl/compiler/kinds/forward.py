@@ -116,6 +116,13 @@ def needs_value_head(node: Node, agent) -> str | None:
     return None
 
 
+def recompute_needs_training(node: Node, agent) -> str | None:
+    if recomputes(node) and not getattr(agent, "trainable", False):
+        return (f"node {node.name!r} has recompute=True but agent {node.agents[0]!r} is frozen: its log-probs are "
+                f"always computed by the learner (recompute applies to a trainable agent's old log-probs)")
+    return None
+
+
 def _describe_logprobs(node: Node, impl: str) -> str:
     if not recomputes(node):
         return ""
@@ -126,7 +133,8 @@ def _describe_logprobs(node: Node, impl: str) -> str:
 SPECS = (
     OpSpec("logprobs", Role.FORWARD, (Output("logprobs", Kind.TOKENS),),
            (Impl("torch-chunked", prepare=logprobs_prepare, learn=logprobs_learn),), locality="batch",
-           describe=_describe_logprobs, doc="per-token log-probs of the completions under an agent (B, T)"),
+           agent_check=recompute_needs_training, describe=_describe_logprobs,
+           doc="per-token log-probs of the completions under an agent (B, T)"),
     OpSpec("values", Role.FORWARD, (Output("values", Kind.TOKENS),),
            (Impl("torch", prepare=values_prepare, learn=values_learn),), locality="batch",
            agent_check=needs_value_head, doc="per-token values from an agent with a value head (B, T)"),
