@@ -169,6 +169,15 @@ def test_errors_name_what_is_wrong(tiny):
                                            "log-probs %logprobs \\(logprobs\\) are not recomputed"):
         ml.compile(unrecomputed, policy=tiny(trainable=True))
     @ml.recipe
+    def malformed(policy, prompts):
+        c = ml.generate(policy, prompts)
+        ml.set_loss(ml.policy_loss(ml.advantages(ml.reward("length")), ml.logprobs(policy, prompts, c, recompute=True),
+                                   correction={"cap": 2.0}))
+
+    with pytest.raises(CompileError, match="correction must be {'method': one of decoupled, mis, tis"):
+        ml.compile(malformed, policy=tiny(trainable=True))
+
+    @ml.recipe
     def frozen(policy, ref_policy, prompts):
         c = ml.generate(policy, prompts)
         ml.set_loss(ml.grpo_loss(ml.advantages(ml.reward("length")), ml.logprobs(policy, prompts, c),

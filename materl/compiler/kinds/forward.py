@@ -65,8 +65,11 @@ def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor:
 def prepared_logprobs(learner, node: Node, rows: Tensor) -> Tensor:
     """The (len(rows), T) log-probs prepare stored for ``node``: with ``recompute=True`` the proximal
     policy's, else the sampling log-probs."""
-    return to_tensor([learner.episodes[i].resolve(node.name) for i in rows.tolist()],
-                     width=learner.seq_batch(node).width)
+    values = [learner.episodes[i].resolve(node.name) for i in rows.tolist()]
+    width = learner.seq_batch(node).width
+    if all(isinstance(v, Tensor) and v.shape == (width,) for v in values):  # as prepare stored them
+        return torch.stack(values).float()
+    return to_tensor(values, width=width)
 
 
 def logprobs_learn(learner, node: Node, rows, get, denoms):

@@ -117,8 +117,12 @@ def _policy_without_reference(node: Node) -> Node:
 
 def check_correction(node: Node, info) -> list[str]:
     """A corrected policy loss needs recomputed (proximal) log-probs to weigh against the sampler's."""
-    if node.params.get("correction") is None:
+    corr = node.params.get("correction")
+    if corr is None:
         return []
+    if not isinstance(corr, dict) or corr.get("method") not in CORRECTIONS.names():
+        return [f"policy loss {node.name!r}: correction must be {{'method': one of {', '.join(CORRECTIONS.names())}, "
+                f"...its hyperparameters}} (ml.with_off_policy_correction writes it); got {corr!r}"]
     producer = info.producer(node.inputs[1])
     if producer is not None and producer.op == "logprobs" and recomputes(producer):
         return []
