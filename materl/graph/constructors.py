@@ -182,9 +182,9 @@ def logprobs(agent, prompts, completions, *, name: str | None = None, temperatur
 
     For a trainable agent the policy losses' old log-probs are the engine's sampling log-probs;
     ``recompute=True`` makes them a no-gradient forward by the learner under the weights at the
-    start of the step (the proximal policy of off-policy corrections: one more forward per step,
-    and the engine-vs-learner mismatch reported as ``mismatch/*``). A frozen agent's log-probs
-    are always computed by the learner."""
+    start of the step (the proximal policy of off-policy corrections: one more forward per step).
+    Either way the engine-vs-learner mismatch is reported as ``mismatch/*``. A frozen agent's
+    log-probs are always computed by the learner."""
     if not isinstance(recompute, bool):
         raise RecipeError(f"ml.logprobs(recompute=...) takes True or False, got {recompute!r}")
     b = active_builder("ml.logprobs")

@@ -109,13 +109,37 @@ def test_mismatch_metrics_are_the_batchs(tiny):
     step.close()
 
 
-def test_mismatch_is_reported_without_recompute_only_when_free(tiny):
-    step = compiled(toy_grpo(), tiny)  # one update of one micro-batch: its forward is under the sampling weights
-    m = step.run(prompts=PROMPTS)
-    assert 0.0 <= m["mismatch/max_abs"] < 1e-4 and "mismatch/kl" in m
-    step.close()
-    step = compiled(toy_grpo(), tiny, micro_batch_size=2)  # would need a forward of its own: not reported
-    assert not any(k.startswith("mismatch/") for k in step.run(prompts=PROMPTS))
+MISMATCH = {"mismatch/mean_abs", "mismatch/max_abs", "mismatch/kl", "mismatch/kl_k1"}
+
+
+@pytest.mark.parametrize("batching,rows", [
+    ({}, 8),
+    ({"micro_batch_size": 2}, 8),
+    ({"micro_batch_size": 3, "epochs": 2}, 8),
+    ({"mini_batch_size": 4, "micro_batch_size": 2, "epochs": 2, "shuffle": False}, 4),
+])
+def test_plain_grpo_reports_the_mismatch_every_step(batching, rows, tiny):
+    """No correction, no recompute: every step reports mismatch/*, the learner's forwards before the
+    first optimizer step (under the weights at the start of the step) against the engine's sampling
+    log-probs, whatever the micro-batches and epochs; over the first mini-batch (rows 0-3 unshuffled)
+    when mini_batch_size splits the batch, as the later ones run after an optimizer step. The
+    learned episodes are stale (two large SGD steps since they were sampled), so the numbers are far
+    from 0 and checked against an independent teacher-forced forward of the weights the step starts from."""
+    step = compiled(toy_grpo(), tiny, lr=3.0, optimizer="sgd", **batching)
+    stale = step.call_blocking(step.rollout, PROMPTS)
+    for _ in range(2):
+        assert MISMATCH <= step.run(prompts=PROMPTS).keys()
+    start = copy.deepcopy(step.agents["policy"].model)
+    m = step.call_blocking(step.learn, stale)
+    assert all(ep.ok for ep in stale) and len(stale) == 8
+    used = stale[:rows]
+    learner = teacher_forced(start, used)
+    sampled = [torch.tensor(ep.rollout("completions").sampling_logprobs, dtype=torch.float64) for ep in used]
+    masks = [torch.tensor(ep.rollout("completions").loss_mask, dtype=torch.float64) for ep in used]
+    expected = logprob_mismatch(torch.cat(learner), torch.cat(sampled), torch.cat(masks))
+    assert expected["mean_abs"] > 1e-2  # stale: not the ~1e-7 of fresh samples
+    for k, v in expected.items():
+        assert m[f"mismatch/{k}"] == pytest.approx(v, rel=1e-4, abs=1e-6), k
     step.close()
 
 

@@ -10,8 +10,10 @@ log-probs (the reference) are one no-gradient forward.
 
 The engine-vs-learner mismatch (``mismatch/mean_abs``, ``mismatch/max_abs``, ``mismatch/kl``,
 ``mismatch/kl_k1``: ``materl.ops.offpolicy.logprob_mismatch`` over trained tokens) is a metric of
-every step that recomputes, and of every step whose update is a single micro-batch of the whole
-batch in one epoch (its forward then runs under the sampling weights: the numbers are free)."""
+every step whose trainable agent's log-probs are of sampled completions. With ``recompute=True``
+it is the proximal log-probs' over the whole batch. Without, it costs nothing: the learner's
+forwards before the first optimizer step run under the weights at the start of the step, so it is
+over their rows (the whole batch unless ``mini_batch_size`` splits it, then the first mini-batch)."""
 
 from __future__ import annotations
 
@@ -59,7 +61,11 @@ def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor:
     if live and not recomputes(node):
         return learner.seq_batch(node).old_logprobs  # the sampling log-probs are the old log-probs
     agent = learner.run.agent(node)
-    return _no_grad(learner, node, lambda sb: forward_logprobs(learner, agent, sb, temp=temperature(learner, node)))
+    logp = _no_grad(learner, node, lambda sb: forward_logprobs(learner, agent, sb, temp=temperature(learner, node)))
+    if recomputes(node) and _sampled(learner, node):
+        full = learner.seq_batch(node)
+        learner.batch_metrics |= _mismatch_metrics(logp, full.old_logprobs, full.mask)
+    return logp
 
 
 def prepared_logprobs(learner, node: Node, rows: Tensor) -> Tensor:
@@ -75,25 +81,21 @@ def prepared_logprobs(learner, node: Node, rows: Tensor) -> Tensor:
 def logprobs_learn(learner, node: Node, rows, get, denoms):
     sb = learner.seq_batch(node).rows(rows)
     logp, ent = forward_logprobs(learner, learner.run.agent(node), sb, temp=temperature(learner, node), entropy=True)
-    metrics = {"entropy": float((ent.detach() * sb.mask).sum() / sb.mask.sum().clamp(min=1))}
-    return logp, metrics | _mismatch(learner, node, sb, logp)
+    if learner.updates == 0 and not recomputes(node) and _sampled(learner, node):
+        _gather_mismatch(learner, node, sb, logp)
+    return logp, {"entropy": float((ent.detach() * sb.mask).sum() / sb.mask.sum().clamp(min=1))}
 
 
-def _mismatch(learner, node: Node, sb: SeqBatch, logp: Tensor) -> dict[str, float]:
-    """mismatch/* over the whole batch: from the recomputed log-probs (every micro-batch reports the
-    batch's numbers, so the learner's averaging leaves them exact), or from this forward when it is
-    the only one of the step (it runs under the weights that sampled)."""
-    full = learner.seq_batch(node)
-    if not _sampled(learner, node):
-        return {}
-    if recomputes(node):
-        everything = torch.arange(len(full.lengths))
-        stats = logprob_mismatch(prepared_logprobs(learner, node, everything), full.old_logprobs, full.mask)
-    elif len(sb.lengths) == len(full.lengths) and learner.run.options.epochs == 1:
-        stats = logprob_mismatch(logp, sb.old_logprobs, sb.mask)
-    else:
-        return {}
-    return {f"mismatch/{k}": v for k, v in stats.items()}
+def _gather_mismatch(learner, node: Node, sb: SeqBatch, logp: Tensor) -> None:
+    """mismatch/* without recompute: this forward runs under the weights at the start of the step
+    (no optimizer step yet), so its log-probs are the learner's; the metrics cover every row seen so far."""
+    seen = learner.scratch.setdefault(f"mismatch/{node.name}", [])
+    seen.append((logp.detach(), sb.old_logprobs, sb.mask))
+    learner.batch_metrics |= _mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen)))
+
+
+def _mismatch_metrics(learner_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    return {f"mismatch/{k}": v for k, v in logprob_mismatch(learner_logp, sampling_logp, mask).items()}
 
 
 def _sampled(learner, node: Node) -> bool:
