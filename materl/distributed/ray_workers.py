@@ -102,8 +102,7 @@ class RolloutActor:
         torch.set_num_threads(threads)
         agents = {a: rollout_agent(ctx.agents[a], deterministic=deterministic) for a in rollout_agent_names(ctx)}
         self.store = _ActorStore(folder)
-        self.worker = LocalWorker(ctx, agents, store=self.store, partial_rollouts=partial_rollouts, name=name,
-                                  max_versions=ctx.options.max_staleness + 1)
+        self.worker = LocalWorker(ctx, agents, store=self.store, partial_rollouts=partial_rollouts, name=name)
         self.worker.version = -1  # holds no version until a job names one (its weights are as loaded)
 
     async def ready(self) -> int:
@@ -114,12 +113,12 @@ class RolloutActor:
 
     async def run(self, job: Job, refs: list[Mapping[int, Any]]) -> list[Episode]:
         self.store.refs.update(refs[0])
-        if all(slot.version != job.version for slot in self.worker.slots) and job.version in self.store.refs:
+        if job.version != self.worker.version and job.version in self.store.refs:
             await self.store.fetch(job.version)  # awaited here: the actor's event loop keeps running
         try:
             return await self.worker.run(job)
         finally:
-            self.store.forget_below(min(slot.version for slot in self.worker.slots))
+            self.store.forget_below(min(self.worker.inflight, default=job.version))
 
     async def close(self) -> None:
         await self.worker.aclose()

@@ -57,50 +57,18 @@ def mirrored_agents(agents: Mapping[str, Any], ctx: StepContext) -> list[str]:
     return [a for a in rollout_agent_names(ctx) if ctx.agents[a].trainable]
 
 
-@dataclass
-class _Slot:
-    """One set of rollout agents at one policy version, and the episodes running on it."""
-    agents: dict[str, Any]
-    version: int
-    inflight: int = 0
-
-
 class LocalWorker:
-    """Runs jobs in this process (a Ray actor wraps one of these in its own process).
-
-    Without partial rollouts a worker may hold up to ``max_versions`` versions at once, each in
-    its own copy of the followed agents (a "slot", with its own engine): a batch that must use a
-    newer version than the episodes still running starts at once in another slot instead of
-    waiting for them. With ``max_staleness = S`` at most S + 1 versions are ever in flight, so
-    ``max_versions = S + 1`` never waits; memory grows by one model copy per extra slot."""
+    """Runs jobs in this process (a Ray actor wraps one of these in its own process)."""
 
     def __init__(self, ctx: StepContext, agents: Mapping[str, Any], *, store: WeightStore | None = None,
-                 partial_rollouts: bool = False, name: str = "local", max_versions: int = 1):
-        self.ctx, self.store, self.name = ctx, store, name
+                 partial_rollouts: bool = False, name: str = "local"):
+        self.ctx, self.agents, self.store, self.name = ctx, dict(agents), store, name
         self.partial_rollouts = partial_rollouts
-        self.max_versions = 1 if partial_rollouts else max(1, max_versions)
-        self.followed = mirrored_agents(agents, ctx)
-        first = min((agents[a].policy_version for a in self.followed), default=0)
-        self.slots = [_Slot(dict(agents), first)]
+        self.followed = mirrored_agents(self.agents, ctx)
+        self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
+        self.inflight: dict[int, int] = {}  # version -> episodes running on it
         self._changed = anyio.Condition()
         self._starting = anyio.Lock()
-
-    @property
-    def agents(self) -> dict[str, Any]:
-        return self.slots[0].agents
-
-    @property
-    def version(self) -> int:
-        """The newest version this worker holds."""
-        return max(slot.version for slot in self.slots)
-
-    @version.setter
-    def version(self, value: int) -> None:  # a worker that holds no known version yet (a new actor): -1
-        self.slots[0].version = value
-
-    @property
-    def load(self) -> int:
-        return sum(slot.inflight for slot in self.slots)
 
     async def start(self) -> None:
         """Start the plan's tool servers in this worker (once; later calls return at once)."""
@@ -110,51 +78,44 @@ class LocalWorker:
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
         await self.start()
-        slot = await self._slot(job.version, job.version if job.oldest is None else job.oldest)
-        slot.inflight += len(job.rows)
+        await self._use(job.version, job.version if job.oldest is None else job.oldest)
+        self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
+        started = self.version
         try:
             ctx = self.ctx.next(step=job.step, rollout_id=job.rollout_id or f"{self.name}:{job.step}", mode=job.mode)
-            return await rollout_from_context(ctx, slot.agents, job.rows, dict(job.columns), groups=job.groups,
+            return await rollout_from_context(ctx, self.agents, job.rows, dict(job.columns), groups=job.groups,
                                               on_episode=on_episode)
         finally:
-            slot.inflight -= len(job.rows)
+            self.inflight[started] -= len(job.rows)
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _slot(self, version: int, oldest: int) -> _Slot:
-        """A slot holding a version in ``[oldest, version]`` (see the class docstring)."""
-        if not self.followed:
-            return self.slots[0]
+    async def _use(self, version: int, oldest: int) -> None:
+        """Hold weights of a version in ``[oldest, version]`` before a job starts (see the module
+        docstring)."""
+        if version == self.version or not self.followed:
+            return
+        busy = any(self.inflight.values())
+        if not self.partial_rollouts and busy and oldest <= self.version <= version:
+            return  # keep sampling with the version still in use
+        if self.store is None:
+            raise RuntimeError(f"worker {self.name!r} holds version {self.version} and has no weight store to "
+                               f"load version {version} from")
         async with self._changed:
-            while True:
-                usable = [s for s in self.slots if oldest <= s.version <= version and (s.inflight or s.version == version)]
-                if usable:
-                    return max(usable, key=lambda s: s.version)
-                if self.partial_rollouts:  # the one slot moves now; episodes in flight continue on it
-                    return await self._move(self.slots[0], version)
-                idle = [s for s in self.slots if not s.inflight]
-                if idle:
-                    return await self._move(idle[0], version)
-                if len(self.slots) < self.max_versions:
-                    slot = _Slot({**self.slots[0].agents, **{a: self.slots[0].agents[a].copy(trainable=False)
-                                                            for a in self.followed}}, -1)
-                    self.slots.append(slot)
-                    return await self._move(slot, version)
-                await self._changed.wait()  # every slot busy on a version the bound no longer allows
-
-    async def _move(self, slot: _Slot, version: int) -> _Slot:
-        if slot.version != version:
-            if self.store is None:
-                raise RuntimeError(f"worker {self.name!r} holds version {slot.version} and has no weight store to "
-                                   f"load version {version} from")
-            await compute.acall(_load, slot.agents, self.store, version)
-            slot.version = version
-        return slot
+            while not self.partial_rollouts and any(n for v, n in self.inflight.items() if v != version):
+                await self._changed.wait()
+            if version != self.version:
+                await compute.acall(_load, self.agents, self.store, version)
+                self.version = version
 
     async def aclose(self) -> None:
         """Stop the tool servers this worker started."""
         for toolbox in plan_toolboxes(self.ctx.plan):
             await toolbox.aclose()
+
+    @property
+    def load(self) -> int:
+        return sum(self.inflight.values())
 
 
 def _load(agents: Mapping[str, Any], store: WeightStore, version: int) -> None:

@@ -36,7 +36,8 @@ from pydantic import (
 import materl.recipes
 from materl.compiler.options import CompileOptions
 from materl.engines.models import NAMED_MODELS, lora_options
-from materl.errors import ConfigError
+from materl.errors import ConfigError, MaterlError
+from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
 from materl.runtime.logging import require_backend
 from materl.runtime.resolve import is_dotted
@@ -172,6 +173,20 @@ class DistributedSection(_Section):
     deterministic: bool = False
     ray_address: str | None = None  # an existing cluster ("auto", "ray://head:10001"); None: a local one
     weight_transport: Literal["object_store", "disk"] = "object_store"
+    correction: dict[str, Any] | None = None  # {method: tis|mis|decoupled, ...its keywords}: ml.with_off_policy_correction
+
+    @field_validator("correction")
+    @classmethod
+    def _known_correction(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        hparams = dict(v)
+        method = hparams.pop("method", None)
+        try:
+            correction_params(method, hparams)
+        except MaterlError as e:
+            raise ValueError(f"{e} (write correction: {{method: tis, cap: 2.0}})") from None
+        return v
 
     @model_validator(mode="after")
     def _needs_workers(self):

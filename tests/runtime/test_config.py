@@ -103,6 +103,8 @@ def test_bad_overrides(item, needle):
     ("distributed.workers=-2", ["distributed.workers=-2", ">= 0"]),
     ("distributed.weight_transport=nfs", ["distributed.weight_transport", "'nfs'", "object_store", "disk"]),
     ("distributed.ray_address=auto", ["ray_address='auto'", "workers=0"]),
+    ("distributed.correction={method: tiss}", ["distributed.correction", "tiss", "tis"]),
+    ("distributed.correction={method: tis, cap2: 1}", ["distributed.correction", "cap2", "cap"]),
 ])
 def test_bad_values_name_the_field_and_the_choices(tmp_path, override, needles):
     path = write(tmp_path, {"recipe": "grpo", "rewards": [{"name": "length"}], "train": {"steps": 10}})
