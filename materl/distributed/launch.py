@@ -34,7 +34,8 @@ def in_process_worker(compiled: Any, store: WeightStore) -> LocalWorker:
     if o.max_staleness > 0:
         for name in mirrored_agents(agents, ctx):
             agents[name] = rollout_copy(agents[name], deterministic=o.deterministic)
-    return LocalWorker(ctx, agents, store=store, partial_rollouts=o.partial_rollouts, name="in-process")
+    return LocalWorker(ctx, agents, store=store, partial_rollouts=o.partial_rollouts, name="in-process",
+                       move_to_newest=not o.deterministic)
 
 
 def rollout_side(compiled: Any, *, workers: int = 0, ray_address: str | None = None,

@@ -102,7 +102,8 @@ class RolloutActor:
         torch.set_num_threads(threads)
         agents = {a: rollout_agent(ctx.agents[a], deterministic=deterministic) for a in rollout_agent_names(ctx)}
         self.store = _ActorStore(folder)
-        self.worker = LocalWorker(ctx, agents, store=self.store, partial_rollouts=partial_rollouts, name=name)
+        self.worker = LocalWorker(ctx, agents, store=self.store, partial_rollouts=partial_rollouts, name=name,
+                                  move_to_newest=not deterministic)
         self.worker.version = -1  # holds no version until a job names one (its weights are as loaded)
 
     async def ready(self) -> int:
@@ -118,7 +119,7 @@ class RolloutActor:
         try:
             return await self.worker.run(job)
         finally:
-            self.store.forget_below(min(self.worker.inflight, default=job.version))
+            self.store.forget_below(self.worker.oldest_needed())
 
     async def close(self) -> None:
         await self.worker.aclose()
@@ -152,6 +153,10 @@ class _ActorStore:
         if version not in self.fetched:
             raise ConfigError(f"no weights of version {version} were sent to this worker; have {sorted(self.refs)}")
         return self.fetched[version]
+
+    def versions(self) -> list[int]:
+        """The versions this actor can load now (fetched, or on disk)."""
+        return self.disk.versions() if self.disk is not None else sorted(self.fetched)
 
     def forget_below(self, version: int) -> None:
         for table in (self.refs, self.fetched):

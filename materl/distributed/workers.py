@@ -13,7 +13,9 @@ bound). With ``partial_rollouts=False`` episodes finish on the version they star
 worker whose episodes are still running keeps its version for a new job as long as it is not
 older than ``oldest`` (the new batch starts at once, overlapping the old batch's stragglers);
 an idle worker moves to the newest version; a worker behind the bound waits for its episodes to
-finish, then moves. With ``partial_rollouts=True`` it loads the newest version as soon as a job
+finish, then moves: to the job's version, or, with ``move_to_newest`` (runs that are not
+deterministic), to the newest version in the store by then, so the next ``S`` batches can start
+on it at once instead of each waiting for the one before it to drain. With ``partial_rollouts=True`` it loads the newest version as soon as a job
 asks for it, between engine batches, and episodes in flight continue on it (their later turns
 carry the new version). Deterministic runs give ``oldest == version``: exactly that version.
 """
@@ -61,12 +63,13 @@ class LocalWorker:
     """Runs jobs in this process (a Ray actor wraps one of these in its own process)."""
 
     def __init__(self, ctx: StepContext, agents: Mapping[str, Any], *, store: WeightStore | None = None,
-                 partial_rollouts: bool = False, name: str = "local"):
+                 partial_rollouts: bool = False, name: str = "local", move_to_newest: bool = False):
         self.ctx, self.agents, self.store, self.name = ctx, dict(agents), store, name
-        self.partial_rollouts = partial_rollouts
+        self.partial_rollouts, self.move_to_newest = partial_rollouts, move_to_newest
         self.followed = mirrored_agents(self.agents, ctx)
         self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
         self.inflight: dict[int, int] = {}  # version -> episodes running on it
+        self.waiting: dict[int, int] = {}  # version -> jobs naming it that have not started yet
         self._changed = anyio.Condition()
         self._starting = anyio.Lock()
 
@@ -78,7 +81,11 @@ class LocalWorker:
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
         await self.start()
-        await self._use(job.version, job.version if job.oldest is None else job.oldest)
+        self.waiting[job.version] = self.waiting.get(job.version, 0) + 1
+        try:
+            await self._use(job.version, job.version if job.oldest is None else job.oldest)
+        finally:
+            self.waiting[job.version] -= 1
         self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
         started = self.version
         try:
@@ -104,6 +111,8 @@ class LocalWorker:
         async with self._changed:
             while not self.partial_rollouts and any(n for v, n in self.inflight.items() if v != version):
                 await self._changed.wait()
+            if self.move_to_newest:
+                version = max([v for v in self.store.versions() if v >= version], default=version)
             if version != self.version:
                 await compute.acall(_load, self.agents, self.store, version)
                 self.version = version
@@ -116,6 +125,11 @@ class LocalWorker:
     @property
     def load(self) -> int:
         return sum(self.inflight.values())
+
+    def oldest_needed(self) -> int:
+        """The oldest version this worker may still load or sample with (older ones can go)."""
+        used = [v for table in (self.inflight, self.waiting) for v, n in table.items() if n]
+        return min(used + [self.version])
 
 
 def _load(agents: Mapping[str, Any], store: WeightStore, version: int) -> None:

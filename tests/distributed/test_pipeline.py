@@ -170,6 +170,50 @@ def test_partial_rollouts_continue_on_new_weights(partial, oldest):
     assert {s.metadata.get("version") for s in second.steps if s.trainable} == ({0} if oldest == 0 else {1})
 
 
+@pytest.mark.parametrize("move_to_newest", [True, False])
+def test_a_worker_that_must_move_moves_to_the_newest_version(move_to_newest):
+    """A job for version 1 (oldest 1) waits for the version-0 episode to finish; meanwhile the
+    learner publishes version 2. With ``move_to_newest`` (runs that are not deterministic) the
+    worker then loads version 2, so the batches after it can start on it at once; without, it
+    loads exactly version 1."""
+    step = ml.compile(two_turns, policy=ml.Agent("tiny-random", trainable=True), group_size=1, max_new_tokens=4)
+    store = InProcessStore()
+    store.publish(0, version_state(step.agents, ["policy"]))
+    copy = rollout_copy(step.agents["policy"], deterministic=False)
+    worker = LocalWorker(step.context(), {"policy": copy}, store=store, move_to_newest=move_to_newest)
+
+    def publish_next(version):
+        with torch.no_grad():
+            for p in step.agents["policy"].parameters():
+                p.add_(0.01)
+        store.publish(version, version_state(step.agents, ["policy"]))
+
+    async def main():
+        WaitsForNewWeights.waiting, WaitsForNewWeights.release = anyio.Event(), anyio.Event()
+        results: dict[int, list[Episode]] = {}
+        async with anyio.create_task_group() as tg:
+            async def job(version, prompt):
+                results[version] = await worker.run(Job(step=version, rows=[prompt], groups=(0,), version=version,
+                                                        oldest=version))
+
+            tg.start_soon(job, 0, "first")
+            await WaitsForNewWeights.waiting.wait()
+            publish_next(1)
+            tg.start_soon(job, 1, "second")
+            await wait_until(lambda: worker.waiting.get(1) == 1)  # held back: version 0 is still in use
+            publish_next(2)
+            WaitsForNewWeights.release.set()
+        return results
+
+    try:
+        results = step.call_blocking(main)
+    finally:
+        step.close()
+    second = results[1][0].values["rollout"]
+    assert {s.metadata.get("version") for s in second.steps if s.trainable} == ({2} if move_to_newest else {1})
+    assert worker.oldest_needed() == worker.version == (2 if move_to_newest else 1)
+
+
 async def wait_until(condition, passes=10_000):
     for _ in range(passes):
         if condition():
