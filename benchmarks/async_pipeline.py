@@ -132,7 +132,8 @@ def cost_model(args, results: dict) -> None:
     configurations, then for 8 and 64 workers."""
     fast = one_run(args, staleness=0, median=1e-3)["history"]  # tools that answer at once: generation alone
     generate = statistics.median(m["time/stage/rollout"] for m in fast[1:])
-    s = Stages.measured(results["lock-step (S=0)"]["history"], generate_s=generate)
+    tail = [latency([i], args.median) for i in range(2_000)]  # one episode's wait: the task's lognormal
+    s = Stages.measured(results["lock-step (S=0)"]["history"], generate_s=generate, tail=tail)
     print(f"\ncost model from the lock-step runs: generation {s.generate_s:.2f}s (tools answering at once), tool wait "
           f"{s.tool_wait_s:.2f}s (E[max] of {s.episodes} lognormal waits: "
           f"{expected_max_lognormal(args.median, SIGMA, s.episodes):.2f}s), learner {s.learn_s:.2f}s, publish "
