@@ -2,6 +2,11 @@
 the staleness bound, version tags, deterministic re-runs and resumes, partial rollouts."""
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import anyio
 import pytest
@@ -83,6 +88,40 @@ def test_deterministic_resume_at_staleness_2_equals_the_uninterrupted_run(tmp_pa
     resumed, wr = run(tmp_path, "half", steps=6, resume=True, max_staleness=2, deterministic=True)
     assert [h["step"] for h in resumed] == [4, 5, 6]
     assert [[h[k] for k in SAME] for h in full[3:]] == [[h[k] for k in SAME] for h in resumed]
+    assert all(torch.equal(p, q) for p, q in zip(wf, wr))
+
+
+KILLED_RUN = """
+import sys
+import materl as ml
+from materl.recipes import grpo
+from materl.runtime.tasks import arithmetic_rows
+from materl.runtime.train import train
+step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                  group_size=2, max_new_tokens=6, lr=1e-3, seed=0, max_staleness=2, deterministic=True)
+train(step, arithmetic_rows(16, seed=1), steps=6, batch_size=2, run_dir=sys.argv[1], save_every=1,
+      progress=False, tensorboard=False)
+"""
+
+
+def test_kill_9_mid_run_then_resume_at_staleness_2_equals_the_uninterrupted_run(tmp_path):
+    """The run is killed by SIGKILL as soon as step 3's checkpoint is written (batches 4 and 5
+    are rolling out on versions 2 and 3 by then); resuming from the folder repeats the rest."""
+    full, wf = run(tmp_path, "full", steps=6, max_staleness=2, deterministic=True)
+    folder = tmp_path / "killed"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(folder)], stderr=subprocess.PIPE, text=True)
+    latest = folder / "checkpoints" / "latest"
+    deadline = time.monotonic() + 300
+    while not (latest.exists() and latest.read_text().strip() == "step-000003"):
+        assert child.poll() is None, child.stderr.read()
+        assert time.monotonic() < deadline, "the run never wrote step 3's checkpoint"
+        time.sleep(0.01)
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait()
+    resumed, wr = run(tmp_path, "killed", steps=6, resume=True, max_staleness=2, deterministic=True)
+    done = int(resumed[0]["step"]) - 1  # the checkpoint resumed from: step 3, or a later one saved before the kill
+    assert done >= 3 and [h["step"] for h in resumed] == list(range(done + 1, 7))
+    assert [[h[k] for k in SAME] for h in full[done:]] == [[h[k] for k in SAME] for h in resumed]
     assert all(torch.equal(p, q) for p, q in zip(wf, wr))
 
 
