@@ -1,0 +1,117 @@
+"""A 2-rank learner step equals the 1-process full-batch step of ``ml.compile``.
+
+Two real gloo processes (torch.multiprocessing.spawn) learn on the batches the one-process run
+learned on: 7 rows then 8, mini-batches of 4 (the 3-row one splits 2/1, so rank 1 pads with a
+weight-0 micro-step), micro-batches of 1, completions of 1..12 tokens (so a rank's share of the
+tokens is not its share of the rows: only global denominators make the ranks' gradients add up
+to the full batch's). Float64 on tiny-random; both sides use HF's float32 rotary cos/sin alike,
+so they agree to float64 summation order (~1e-16 here).
+
+Each strategy runs its configurations in one spawned pair of processes (a module fixture), to
+pay the process start-up once: SGD without clipping (the update is -lr * gradient, so the
+gradient itself is compared), AdamW with clipping active (the global norm of sharded
+gradients), two epochs with shuffling, LoRA adapters, and an EMA reference (updated on every
+rank from the whole policy).
+"""
+
+import pickle
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from materl.distributed.launch import free_port
+from materl.distributed.learner import RankPartition
+from tests.distributed import helpers as H
+from tests.tolerance import assert_same_update
+
+SGD = dict(optimizer="sgd", lr=0.5, max_grad_norm=None)
+ADAMW = dict(lr=1e-2, max_grad_norm=0.05, epochs=2, shuffle=True)  # clipping active: norms are 0.2-0.5
+CONFIGS = {
+    "ddp": [("full-sgd", False, SGD), ("lora-adamw", True, ADAMW)],
+    "fsdp2": [("full-sgd", False, SGD), ("lora-adamw", True, ADAMW),
+              ("full-adamw-ema", False, {**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}})],
+}
+
+
+def run_strategy(strategy: str, tmp_path) -> dict:
+    cases = {}
+    for name, lora, options in CONFIGS[strategy]:
+        ref = H.reference(options, lora=lora)
+        cases[name] = {"name": f"{strategy}-{name}", "strategy": strategy, "lora": lora, "batches": ref["batches"],
+                       "ref": ref, "options": options}
+    configs = [{k: v for k, v in c.items() if k not in ("ref", "options")} for c in cases.values()]
+    mp.spawn(H.run_configs, args=(2, free_port(), configs, str(tmp_path)), nprocs=2)
+    for c in cases.values():
+        c["ranks"] = [torch.load(tmp_path / f"{c['name']}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+    return cases
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return run_strategy("ddp", tmp_path_factory.mktemp("ddp"))
+
+
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return run_strategy("fsdp2", tmp_path_factory.mktemp("fsdp2"))
+
+
+def check(case: dict) -> None:
+    ref, (rank0, rank1) = case["ref"], case["ranks"]
+    assert [v for v, _, _ in rank0["results"]] == [1, 2]
+    assert all(w is None for _, _, w in rank1["results"])  # only rank 0 holds the published weights
+    for k, (version, metrics, weights) in enumerate(rank0["results"]):
+        before, expected = ref["weights"][k], ref["weights"][k + 1]
+        assert weights.version == version and sorted(weights.tensors) == ["policy"]
+        got = weights.tensors["policy"]
+        assert sorted(got) == sorted(expected)  # the trainable parameters (LoRA: adapters only)
+        assert_same_update([got[n] for n in expected], list(expected.values()), list(before.values()))
+        if case["options"].get("optimizer") == "sgd":  # after = before - lr * gradient
+            lr = case["options"]["lr"]
+            for n in expected:
+                grad, expected_grad = (before[n] - got[n]) / lr, (before[n] - expected[n]) / lr
+                atol = 1e-6 * max(1.0, float(expected_grad.abs().max()))
+                torch.testing.assert_close(grad, expected_grad, rtol=0, atol=atol,
+                                           msg=lambda m, n=n: f"gradient of {n}: {m}")
+        want = ref["metrics"][k]
+        assert metrics["loss"] == pytest.approx(want["loss"], rel=1e-9, abs=1e-12)
+        assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-9, abs=1e-12)
+        if case["options"].get("max_grad_norm"):
+            assert metrics["grad_norm"] > case["options"]["max_grad_norm"]  # so clipping did act
+        assert metrics["entropy"] == pytest.approx(want["entropy"], rel=1e-9)
+    own0, own1 = rank0["own"], rank1["own"]
+    assert all(torch.equal(own0[n], own1[n]) for n in own0)  # every rank applied the identical update
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CONFIGS["ddp"]])
+def test_two_ddp_ranks_equal_one_process(ddp, name):
+    check(ddp[name])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CONFIGS["fsdp2"]])
+def test_two_fsdp2_ranks_equal_one_process(fsdp2, name):
+    check(fsdp2[name])
+
+
+def test_the_batch_travels_whole():
+    """What the ranks receive is the pickled (episodes, StepContext) of the one-process run."""
+    ref = H.reference(SGD, steps=1)
+    episodes, ctx = pickle.loads(ref["batches"][0])
+    assert len(episodes) == 8 and sum(e.ok for e in episodes) == 7 and ctx.options.micro_batch_size == 1
+    lengths = [len(e.values["completions"].completion_ids) for e in episodes]
+    assert len(set(lengths)) > 2  # uneven token counts across rows
+
+
+def test_rows_split_contiguously_with_weight_zero_padding():
+    rows = torch.tensor([6, 2, 5, 0, 3, 1, 4])  # a shuffled mini-batch of 7 rows
+    parts = [RankPartition(None, "ddp", r, 2).micro_batches(rows, 2) for r in (0, 1)]
+    # rank 0: rows 6 2 5 0 (two micro-batches); rank 1: 3 1 4 (two, the second of one row)
+    assert [(m.tolist(), w) for m, w in parts[0]] == [([6, 2], 1.0), ([5, 0], 1.0)]
+    assert [(m.tolist(), w) for m, w in parts[1]] == [([3, 1], 1.0), ([4], 1.0)]
+    # 3 rows over 2 ranks in micro-batches of 2: rank 1 has one row and rank 0 two, one step each
+    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:3], 2)] == [([5], 1.0)]
+    # 1 row over 2 ranks: rank 1 has none and runs one weight-0 step on the batch's first row
+    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:1], 1)] == [([6], 0.0)]
+    # micro-batches of 1: rank 0 has 4 steps, rank 1 three rows plus one weight-0 step
+    assert [w for _, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows, 1)] == [1.0, 1.0, 1.0, 0.0]
