@@ -1,4 +1,3 @@
-"""Scale-out, learner side: a data-parallel learner on torch.distributed (FSDP2 or DDP; gloo on
-CPU, NCCL on GPU), launched by ``torchrun`` (``python -m materl.distributed.launch``) or as Ray
-actors (``LearnerGroup``, ``pip install "materl[ray]"``). See ``learner.py`` for how a step is
-split across ranks with global loss normalisers."""
+"""Scale-out, learner side: a data-parallel learner on torch.distributed (``learner``: FSDP2 or
+DDP; gloo on CPU, NCCL on GPU), started by ``torchrun -m materl.distributed.torchrun`` or as Ray
+actors (``ray_group.LearnerGroup``, ``pip install "materl[ray]"``)."""

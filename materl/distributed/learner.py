@@ -35,7 +35,7 @@ rank 0 holds the new trainable weights under the version number (gathered by eve
 FSDP2), for the driver to publish. Non-frozen reference policies (``reference="ema"``, ...) are
 updated on every rank from the whole policy weights, as ``ml.compile`` does.
 
-Devices. gloo on CPU, NCCL on CUDA (``launch.backend_for``). The GPU path (NCCL, a CUDA device
+Devices. gloo on CPU, NCCL on CUDA (``torchrun.backend_for``). The GPU path (NCCL, a CUDA device
 mesh, DDP ``device_ids``) is written to torch's documented API but has not been run: the machine
 this was built on has no GPU. The compiler's ``Learner`` builds its batch tensors on the CPU, so
 a CUDA model also needs those moved (not done here).
@@ -151,7 +151,7 @@ class RankPartition:
 
 class DistributedLearner:
     """One rank of a data-parallel learner; see the module docstring. The process group must be
-    initialised (``materl.distributed.launch``). ``agents``: this rank's agents by recipe name
+    initialised (``materl.distributed.torchrun``). ``agents``: this rank's agents by recipe name
     (built the same way on every rank; the trainable ones are wrapped here)."""
 
     def __init__(self, agents: Mapping[str, Any], options: CompileOptions, *, strategy: Strategy = "fsdp2",
@@ -160,7 +160,7 @@ class DistributedLearner:
             raise ConfigError(f"unknown learner strategy {strategy!r}; valid: {', '.join(STRATEGIES)}")
         if not dist.is_initialized():
             raise ConfigError("DistributedLearner needs an initialised process group: call "
-                              "materl.distributed.launch.init_process_group(...) or init_from_env() first")
+                              "materl.distributed.torchrun.init_process_group(...) or init_from_env() first")
         self.agents, self.options, self.strategy = dict(agents), options, strategy
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = torch.device(device) if device is not None else _default_device()

@@ -6,6 +6,7 @@ torchrun, Ray actors import them from here)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pickle
 import time
@@ -17,6 +18,11 @@ import materl as ml
 
 PROMPTS = ["Count to three.", "Name a colour.", "Say hi.", "Spell cat."]
 BASE = dict(group_size=2, max_new_tokens=12, micro_batch_size=1, mini_batch_size=4, seed=0)
+SGD = dict(optimizer="sgd", lr=0.5, max_grad_norm=None)  # the update is -lr * gradient
+ADAMW = dict(lr=1e-2, max_grad_norm=0.05, epochs=2, shuffle=True)  # clipping active: norms are 0.2-0.5
+# the one-process runs the tests compare with, by name: (options, LoRA or full fine-tuning)
+CASES = {"full-sgd": (SGD, False), "lora-adamw": (ADAMW, True),
+         "full-adamw-ema": ({**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}}, False)}
 
 
 @ml.recipe
@@ -58,6 +64,13 @@ def one_thread():
         torch.set_num_threads(before)
 
 
+@functools.cache
+def case(name: str) -> dict:
+    """``reference`` for ``CASES[name]``, computed once per test session (the tests share it)."""
+    options, lora = CASES[name]
+    return reference(options, lora=lora)
+
+
 def reference(options: dict, *, lora: bool = False, steps: int = 2) -> dict:
     """``steps`` one-process steps (``ml.compile``'s learner), recording each step's batch as
     the ranks will receive it (pickled before learning), the trainable weights before and
@@ -92,7 +105,7 @@ def trainable(agent) -> dict[str, torch.Tensor]:
 def run_configs(rank: int, world_size: int, port: int, configs: list[dict], out: str) -> None:
     """A spawned rank: join a gloo group, then for each config build the agents, wrap them and
     learn on the config's batches; write rank 0's results and every rank's own weights."""
-    from materl.distributed.launch import init_process_group
+    from materl.distributed.torchrun import init_process_group
     from materl.distributed.learner import DistributedLearner
     from materl.distributed.state import trainable_weights
 
@@ -110,22 +123,46 @@ def run_configs(rank: int, world_size: int, port: int, configs: list[dict], out:
         torch.distributed.destroy_process_group()
 
 
-def slow_rank_agents() -> dict:
-    """Tiny agents; on rank 1, once the file named by $MATERL_TEST_HOLD exists, the policy's
-    next forward writes this process's pid to $MATERL_TEST_MARKER and waits there (to be killed
-    mid-step by the test)."""
+def hold_agents(hold: str, marker: str, lora: bool = False, rank: int = 1) -> dict:
+    """Tiny agents; on rank ``rank``, once the path ``hold`` exists, the policy's next forward
+    writes this process's pid to ``marker`` and waits there (for the test to kill it mid-step)."""
     import torch.distributed as dist
 
     from materl.engines.hf import causal_lm_of
 
-    agents = tiny_agents()
-    if dist.get_rank() == 1:
-        hold, marker = Path(os.environ["MATERL_TEST_HOLD"]), Path(os.environ["MATERL_TEST_MARKER"])
+    agents = tiny_agents(lora)
+    if dist.get_rank() == rank:
+        hold_path, marker_path = Path(hold), Path(marker)
 
         def wait_if_told(module, args):
-            if hold.exists():
-                marker.write_text(str(os.getpid()))
+            if hold_path.exists():
+                marker_path.write_text(str(os.getpid()))
                 time.sleep(600)
 
         causal_lm_of(agents["policy"].model).get_decoder().register_forward_pre_hook(wait_if_told)
     return agents
+
+
+def slow_rank_agents() -> dict:
+    """``hold_agents`` from $MATERL_TEST_HOLD and $MATERL_TEST_MARKER (for ``--agents`` of the
+    torchrun entry point, which takes a function of no arguments)."""
+    return hold_agents(os.environ["MATERL_TEST_HOLD"], os.environ["MATERL_TEST_MARKER"])
+
+
+def wait_for_pid(marker: Path, timeout_s: float = 300.0) -> int:
+    """The pid a held rank wrote to ``marker``."""
+    deadline = time.monotonic() + timeout_s
+    while not (marker.exists() and marker.read_text().strip()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no rank wrote {marker} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return int(marker.read_text())
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie counts: it runs nothing and holds no socket)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return "\nState:\tZ" in status

@@ -7,7 +7,7 @@ tokens is not its share of the rows: only global denominators make the ranks' gr
 to the full batch's). Float64 on tiny-random; both sides use HF's float32 rotary cos/sin alike,
 so they agree to float64 summation order (~1e-16 here).
 
-Each strategy runs its configurations in one spawned pair of processes (a module fixture), to
+Both strategies run their configurations in one spawned pair of processes (a module fixture), to
 pay the process start-up once: SGD without clipping (the update is -lr * gradient, so the
 gradient itself is compared), AdamW with clipping active (the global norm of sharded
 gradients), two epochs with shuffling, LoRA adapters, and an EMA reference (updated on every
@@ -20,41 +20,30 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from materl.distributed.launch import free_port
 from materl.distributed.learner import RankPartition
+from materl.distributed.torchrun import free_port
 from tests.distributed import helpers as H
 from tests.tolerance import assert_same_update
 
-SGD = dict(optimizer="sgd", lr=0.5, max_grad_norm=None)
-ADAMW = dict(lr=1e-2, max_grad_norm=0.05, epochs=2, shuffle=True)  # clipping active: norms are 0.2-0.5
-CONFIGS = {
-    "ddp": [("full-sgd", False, SGD), ("lora-adamw", True, ADAMW)],
-    "fsdp2": [("full-sgd", False, SGD), ("lora-adamw", True, ADAMW),
-              ("full-adamw-ema", False, {**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}})],
-}
+CONFIGS = {"ddp": ["full-sgd", "lora-adamw"], "fsdp2": ["full-sgd", "lora-adamw", "full-adamw-ema"]}
 
 
-def run_strategy(strategy: str, tmp_path) -> dict:
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> dict:
+    """Every configuration of both strategies, learned by one spawned pair of gloo ranks (the
+    process start-up paid once), against the shared one-process references."""
+    out = tmp_path_factory.mktemp("ranks")
     cases = {}
-    for name, lora, options in CONFIGS[strategy]:
-        ref = H.reference(options, lora=lora)
-        cases[name] = {"name": f"{strategy}-{name}", "strategy": strategy, "lora": lora, "batches": ref["batches"],
-                       "ref": ref, "options": options}
+    for strategy, names in CONFIGS.items():
+        for name in names:
+            ref = H.case(name)
+            cases[strategy, name] = {"name": f"{strategy}-{name}", "strategy": strategy, "lora": H.CASES[name][1],
+                                     "batches": ref["batches"], "ref": ref, "options": H.CASES[name][0]}
     configs = [{k: v for k, v in c.items() if k not in ("ref", "options")} for c in cases.values()]
-    mp.spawn(H.run_configs, args=(2, free_port(), configs, str(tmp_path)), nprocs=2)
+    mp.spawn(H.run_configs, args=(2, free_port(), configs, str(out)), nprocs=2)
     for c in cases.values():
-        c["ranks"] = [torch.load(tmp_path / f"{c['name']}-rank{r}.pt", weights_only=False) for r in (0, 1)]
+        c["ranks"] = [torch.load(out / f"{c['name']}-rank{r}.pt", weights_only=False) for r in (0, 1)]
     return cases
-
-
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    return run_strategy("ddp", tmp_path_factory.mktemp("ddp"))
-
-
-@pytest.fixture(scope="module")
-def fsdp2(tmp_path_factory):
-    return run_strategy("fsdp2", tmp_path_factory.mktemp("fsdp2"))
 
 
 def check(case: dict) -> None:
@@ -84,19 +73,19 @@ def check(case: dict) -> None:
     assert all(torch.equal(own0[n], own1[n]) for n in own0)  # every rank applied the identical update
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS["ddp"]])
-def test_two_ddp_ranks_equal_one_process(ddp, name):
-    check(ddp[name])
+@pytest.mark.parametrize("name", CONFIGS["ddp"])
+def test_two_ddp_ranks_equal_one_process(ranks, name):
+    check(ranks["ddp", name])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS["fsdp2"]])
-def test_two_fsdp2_ranks_equal_one_process(fsdp2, name):
-    check(fsdp2[name])
+@pytest.mark.parametrize("name", CONFIGS["fsdp2"])
+def test_two_fsdp2_ranks_equal_one_process(ranks, name):
+    check(ranks["fsdp2", name])
 
 
 def test_the_batch_travels_whole():
     """What the ranks receive is the pickled (episodes, StepContext) of the one-process run."""
-    ref = H.reference(SGD, steps=1)
+    ref = H.case("full-sgd")
     episodes, ctx = pickle.loads(ref["batches"][0])
     assert len(episodes) == 8 and sum(e.ok for e in episodes) == 7 and ctx.options.micro_batch_size == 1
     lengths = [len(e.values["completions"].completion_ids) for e in episodes]

@@ -2,7 +2,7 @@
 
 From your own script (run under ``torchrun``, or with ranks you start yourself)::
 
-    from materl.distributed.launch import init_from_env
+    from materl.distributed.torchrun import init_from_env
     from materl.distributed.learner import DistributedLearner
     init_from_env()                                   # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     learner = DistributedLearner(agents, options, strategy="fsdp2")
@@ -10,7 +10,7 @@ From your own script (run under ``torchrun``, or with ranks you start yourself):
 
 Or with batches on disk (written by the driver with ``save_batch``), weights published on disk::
 
-    torchrun --standalone --nproc_per_node=2 -m materl.distributed.launch \\
+    torchrun --standalone --nproc_per_node=2 -m materl.distributed.torchrun \\
         --batch runs/x/batch-000001.pkl runs/x/batch-000002.pkl --out runs/x/weights --strategy fsdp2
 
 Each batch file is one step: (episodes, StepContext), pickled. The ranks build their agents from
@@ -165,7 +165,7 @@ def load_published(folder: str | os.PathLike, version: int | None = None):
 def main(argv: Sequence[str] | None = None) -> int:
     from materl.distributed.learner import STRATEGIES, DistributedLearner
 
-    ap = argparse.ArgumentParser(prog="python -m materl.distributed.launch",
+    ap = argparse.ArgumentParser(prog="python -m materl.distributed.torchrun",
                                  description="One learner rank; start N of them with torchrun.")
     ap.add_argument("--batch", nargs="+", required=True, help="batch files (save_batch), one per step, in order")
     ap.add_argument("--out", required=True, help="rank 0 publishes OUT/v<version>/ here after each step")
