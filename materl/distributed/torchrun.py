@@ -7,6 +7,7 @@ From your own script (run under ``torchrun``, or with ranks you start yourself):
     init_from_env()                                   # RANK, WORLD_SIZE, MASTER_ADDR/PORT from torchrun
     learner = DistributedLearner(agents, options, strategy="fsdp2")
     result = learner.step(episodes, ctx)              # every rank, the same batch
+    del learner; leave_process_group()                # learners first (see leave_process_group)
 
 Or with batches on disk (written by the driver with ``save_batch``), weights published on disk::
 
@@ -14,17 +15,20 @@ Or with batches on disk (written by the driver with ``save_batch``), weights pub
         --batch runs/x/batch-000001.pkl runs/x/batch-000002.pkl --out runs/x/weights --strategy fsdp2
 
 Each batch file is one step: (episodes, StepContext), pickled. The ranks build their agents from
-the context's agent specs (or from ``--agents module:function``, a function returning the agents
-by name), learn on every batch in order, and rank 0 writes ``OUT/v000001/`` (one safetensors
+the context's agent specs (float32: a spec carries no dtype), or from ``--agents module:function``
+(a function returning the agents by name, the same in every rank), learn on every batch in order, and rank 0 writes ``OUT/v000001/`` (one safetensors
 file of trainable weights per agent, and ``metrics.json``) after each step, atomically (a temp
-folder renamed into place), so a crash never leaves a partial version. Batch files are pickles:
-load only files you wrote.
+folder renamed into place), so a crash never leaves a partial version. A rank that fails (or
+whose peer died: its next collective fails) prints why and exits 1; torchrun then stops the
+others and exits non-zero, the versions already published intact. Batch files are pickles: load
+only files you wrote.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib
 import json
 import os
@@ -32,15 +36,19 @@ import pickle
 import shutil
 import socket
 import sys
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file, save_file
 
 from materl.compiler.context import StepContext
 from materl.compiler.episode import Episode
+from materl.distributed.learner import STRATEGIES, DistributedLearner, StepResult
+from materl.distributed.state import Weights
 from materl.errors import ConfigError
 
 DEFAULT_TIMEOUT_S = 600.0  # a collective waiting this long on a hung rank fails (a dead rank fails at once)
@@ -123,10 +131,8 @@ def load_batch(path: str | os.PathLike) -> tuple[list[Episode], StepContext]:
     return episodes, ctx
 
 
-def publish_to_disk(out: str | os.PathLike, result) -> Path:
+def publish_to_disk(out: str | os.PathLike, result: StepResult) -> Path:
     """Rank 0: ``OUT/v<version>/<agent>.safetensors`` + ``metrics.json``, renamed into place."""
-    from safetensors.torch import save_file
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     final = out / f"v{result.version:06d}"
@@ -142,12 +148,8 @@ def publish_to_disk(out: str | os.PathLike, result) -> Path:
     return final
 
 
-def load_published(folder: str | os.PathLike, version: int | None = None):
+def load_published(folder: str | os.PathLike, version: int | None = None) -> Weights:
     """The ``Weights`` of a published version (default: the newest) from ``publish_to_disk``'s folder."""
-    from safetensors.torch import load_file
-
-    from materl.distributed.state import Weights
-
     folder = Path(folder)
     versions = sorted(p for p in folder.glob("v[0-9]*") if p.is_dir())
     if not versions:
@@ -162,34 +164,59 @@ def load_published(folder: str | os.PathLike, version: int | None = None):
 # ----------------------------------------------------------------------------- torchrun entry point
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from materl.distributed.learner import STRATEGIES, DistributedLearner
+def leave_process_group() -> None:
+    """Destroy the default process group, after every learner of this process is gone.
 
+    Drop the learners first: a DDP learner's reducer holds a reference to the group, and a group
+    destroyed from the reducer's deallocation holds the GIL while it waits for gloo's worker
+    threads, one of which may need the GIL to free a finished collective's tensors -- a hang at
+    exit (seen under load). Freed from ``destroy_process_group``, torch releases the GIL first."""
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m materl.distributed.torchrun",
                                  description="One learner rank; start N of them with torchrun.")
     ap.add_argument("--batch", nargs="+", required=True, help="batch files (save_batch), one per step, in order")
     ap.add_argument("--out", required=True, help="rank 0 publishes OUT/v<version>/ here after each step")
     ap.add_argument("--strategy", choices=STRATEGIES, default="fsdp2")
     ap.add_argument("--agents", help="module:function returning the agents by name (default: the context's specs)")
-    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S)
-    args = ap.parse_args(argv)
+    ap.add_argument("--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+                    help="a collective waiting this long on a hung rank fails")
+    return ap.parse_args(argv)
+
+
+def learn(args: argparse.Namespace, rank: int, world: int) -> None:
+    """Every batch in order; rank 0 publishes each version."""
+    factory = import_factory(args.agents) if args.agents else None
+    learner = None
+    for path in args.batch:
+        episodes, ctx = load_batch(path)
+        if learner is None:
+            learner = DistributedLearner(build_agents(ctx, factory), ctx.options, strategy=args.strategy)
+        result = learner.step(episodes, ctx)
+        if rank == 0:
+            where = publish_to_disk(args.out, result)
+            print(f"materl learner: version {result.version} from {path} -> {where} "
+                  f"(loss {result.metrics['loss']:.6g}, {world} ranks)", flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The torchrun entry point: 0 when every batch was learned; 1 (the traceback printed) when
+    this rank failed, e.g. because another rank died (torchrun then stops the other ranks)."""
+    args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     rank, world = init_from_env(timeout_s=args.timeout_s)
+    code = 1
     try:
-        factory = import_factory(args.agents) if args.agents else None
-        learner = None
-        for path in args.batch:
-            episodes, ctx = load_batch(path)
-            if learner is None:
-                learner = DistributedLearner(build_agents(ctx, factory), ctx.options, strategy=args.strategy)
-            result = learner.step(episodes, ctx)
-            if rank == 0:
-                where = publish_to_disk(args.out, result)
-                print(f"materl learner: version {result.version} from {path} -> {where} "
-                      f"(loss {result.metrics['loss']:.6g}, {world} ranks)", flush=True)
+        learn(args, rank, world)
+        code = 0
+    except Exception:  # printed here, so the traceback (holding the learner) is gone before leaving
+        traceback.print_exc()
     finally:
-        dist.destroy_process_group()
-    return 0
+        leave_process_group()
+    return code
 
 
 if __name__ == "__main__":

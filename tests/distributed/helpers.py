@@ -105,22 +105,27 @@ def trainable(agent) -> dict[str, torch.Tensor]:
 def run_configs(rank: int, world_size: int, port: int, configs: list[dict], out: str) -> None:
     """A spawned rank: join a gloo group, then for each config build the agents, wrap them and
     learn on the config's batches; write rank 0's results and every rank's own weights."""
-    from materl.distributed.torchrun import init_process_group
-    from materl.distributed.learner import DistributedLearner
-    from materl.distributed.state import trainable_weights
+    from materl.distributed.torchrun import init_process_group, leave_process_group
 
     torch.set_num_threads(1)
     init_process_group(rank, world_size, master_addr="127.0.0.1", master_port=port)
     try:
         for cfg in configs:
-            batches = [pickle.loads(b) for b in cfg["batches"]]
-            learner = DistributedLearner(tiny_agents(cfg["lora"]), batches[0][1].options, strategy=cfg["strategy"])
-            results = [learner.step(episodes, ctx) for episodes, ctx in batches]
-            own = trainable_weights(learner.agents["policy"].model, keep=True)  # FSDP2: gathered
-            torch.save({"results": [(r.version, r.metrics, r.weights) for r in results], "own": own},
-                       Path(out) / f"{cfg['name']}-rank{rank}.pt")
+            learn_config(rank, cfg, out)
     finally:
-        torch.distributed.destroy_process_group()
+        leave_process_group()
+
+
+def learn_config(rank: int, cfg: dict, out: str) -> None:
+    from materl.distributed.learner import DistributedLearner
+    from materl.distributed.state import trainable_weights
+
+    batches = [pickle.loads(b) for b in cfg["batches"]]
+    learner = DistributedLearner(tiny_agents(cfg["lora"]), batches[0][1].options, strategy=cfg["strategy"])
+    results = [learner.step(episodes, ctx) for episodes, ctx in batches]
+    own = trainable_weights(learner.agents["policy"].model, keep=True)  # FSDP2: gathered
+    torch.save({"results": [(r.version, r.metrics, r.weights) for r in results], "own": own},
+               Path(out) / f"{cfg['name']}-rank{rank}.pt")
 
 
 def hold_agents(hold: str, marker: str, lora: bool = False, rank: int = 1) -> dict:
