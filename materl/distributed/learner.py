@@ -258,21 +258,38 @@ class DistributedLearner:
 
     # -- checkpoints --
     def state(self) -> LearnerState | None:
-        """The full model and optimizer states (collective); rank 0 gets them, the others None."""
+        """The full model and optimizer states (collective); rank 0 gets them, the others None.
+        The models include the reference agents that follow the policy (``reference="ema"``,
+        resets): their weights are state too (whole on every rank)."""
         keep = self.rank == 0
         models = {n: st.full_model_state(a.model, keep=keep) for n, a in self.trainable.items()}
         optims = {n: st.full_optimizer_state(o, keep=keep) for n, o in self.optimizers.items()}
-        return LearnerState(self.version, models, optims) if keep else None
+        if not keep:
+            return None
+        for name in self.followers():
+            models[name] = {k: v.detach().cpu().clone() for k, v in self.agents[name].model.state_dict().items()}
+        return LearnerState(self.version, models, optims)
+
+    def followers(self) -> list[str]:
+        """The names of the reference agents updated from the policy (none under ``"frozen"``)."""
+        if self.options.reference in ("frozen", "none"):
+            return []
+        refs = {id(ref) for ref, _, _ in self.references or ()}
+        return [n for n, a in self.agents.items() if id(a) in refs]
 
     def load_state(self, state: LearnerState) -> None:
         """Every rank loads the same full state (e.g. a checkpoint): weights, optimizer, version."""
-        unknown = sorted(set(state.models) ^ set(self.trainable))
-        if unknown:
-            raise ConfigError(f"learner state holds agents {sorted(state.models)}; this learner trains "
-                              f"{sorted(self.trainable)}")
+        extra = sorted(set(state.models) - set(self.trainable))
+        wrong = [n for n in extra if n not in self.agents or self.agents[n].trainable]
+        if set(self.trainable) - set(state.models) or wrong or set(state.optimizers) != set(self.trainable):
+            raise ConfigError(f"learner state holds models {sorted(state.models)} and optimizers "
+                              f"{sorted(state.optimizers)}; this learner trains {sorted(self.trainable)} and "
+                              f"holds {sorted(self.agents)}")
         for name, agent in self.trainable.items():
             st.load_model_state(agent.model, state.models[name])
             st.load_optimizer_state(self.optimizers[name], state.optimizers[name])
+        for name in extra:  # reference agents that follow the policy: plain modules, whole on every rank
+            st.load_model_state(self.agents[name].model, state.models[name])
         self.version = state.version
 
 

@@ -117,15 +117,27 @@ def run_configs(rank: int, world_size: int, port: int, configs: list[dict], out:
 
 
 def learn_config(rank: int, cfg: dict, out: str) -> None:
+    """Learn the config's batches; then, in a fresh learner, resume from the state saved after
+    the first step (every rank loads rank 0's) and learn the second batch again."""
     from materl.distributed.learner import DistributedLearner
     from materl.distributed.state import trainable_weights
 
     batches = [pickle.loads(b) for b in cfg["batches"]]
-    learner = DistributedLearner(tiny_agents(cfg["lora"]), batches[0][1].options, strategy=cfg["strategy"])
-    results = [learner.step(episodes, ctx) for episodes, ctx in batches]
+    options = batches[0][1].options
+    learner = DistributedLearner(tiny_agents(cfg["lora"]), options, strategy=cfg["strategy"])
+    results, saved = [], [None]
+    for k, (episodes, ctx) in enumerate(batches):
+        results.append(learner.step(episodes, ctx))
+        if k == 0:
+            saved = [learner.state()]  # collective; rank 0 holds it
     own = trainable_weights(learner.agents["policy"].model, keep=True)  # FSDP2: gathered
-    torch.save({"results": [(r.version, r.metrics, r.weights) for r in results], "own": own},
-               Path(out) / f"{cfg['name']}-rank{rank}.pt")
+    del learner
+    torch.distributed.broadcast_object_list(saved, src=0)
+    fresh = DistributedLearner(tiny_agents(cfg["lora"]), options, strategy=cfg["strategy"])
+    fresh.load_state(saved[0])
+    resumed = fresh.step(*batches[1])
+    torch.save({"results": [(r.version, r.metrics, r.weights) for r in results], "own": own,
+                "state": saved[0], "resumed": resumed.weights}, Path(out) / f"{cfg['name']}-rank{rank}.pt")
 
 
 def hold_agents(hold: str, marker: str, lora: bool = False, rank: int = 1) -> dict:

@@ -11,7 +11,8 @@ Both strategies run their configurations in one spawned pair of processes (a mod
 pay the process start-up once: SGD without clipping (the update is -lr * gradient, so the
 gradient itself is compared), AdamW with clipping active (the global norm of sharded
 gradients), two epochs with shuffling, LoRA adapters, and an EMA reference (updated on every
-rank from the whole policy).
+rank from the whole policy). Each configuration also resumes: a fresh learner loads the state
+saved after step 1 and its step 2 must be the uninterrupted run's, bit for bit.
 """
 
 import pickle
@@ -71,6 +72,14 @@ def check(case: dict) -> None:
         assert metrics["entropy"] == pytest.approx(want["entropy"], rel=1e-9)
     own0, own1 = rank0["own"], rank1["own"]
     assert all(torch.equal(own0[n], own1[n]) for n in own0)  # every rank applied the identical update
+    # resumed from the state after step 1 (models, optimizer states, a following reference), a
+    # fresh learner's step 2 is the uninterrupted run's
+    state, resumed, uninterrupted = rank0["state"], rank0["resumed"], rank0["results"][1][2]
+    follows = case["options"].get("reference") == "ema"
+    assert state.version == 1 and sorted(state.models) == (["policy", "ref_policy"] if follows else ["policy"])
+    assert resumed.version == 2 and rank1["resumed"] is None
+    for n, value in uninterrupted.tensors["policy"].items():
+        assert torch.equal(resumed.tensors["policy"][n], value), n
 
 
 @pytest.mark.parametrize("name", CONFIGS["ddp"])
