@@ -12,8 +12,9 @@ Ray: a group uses the Ray the process has (``ray.init(...)`` called before); wit
 ``"ray://head:10001"`` or ``"auto"`` joins an existing one. Shutting Ray down is the caller's.
 Without Ray installed, constructing a group raises ``ExtraNotInstalledError``.
 
-``agents``: a mapping of ``AgentSpec`` (a step context's ``ctx.agents``), or a picklable function
-that returns the agents by name, called in each actor after its process group is up. Each actor
+``agents``: a mapping of ``AgentSpec`` (a step context's ``ctx.agents``; built in float32: a spec
+carries no dtype), or a picklable function that returns the agents by name (module-level, or a
+``functools.partial`` of one), called in each actor after its process group is up. Each actor
 reserves ``num_cpus`` CPUs (torch uses that many threads) and ``num_gpus`` GPUs (then NCCL on
 the GPU Ray assigned it, untested here: no GPU); ``actor_options`` go to Ray's ``.options()``
 (``runtime_env``, ``scheduling_strategy`` with a placement group, ...).
@@ -101,6 +102,9 @@ class LearnerGroup:
         _check_arguments(world_size, agents, strategy)
         if not ray.is_initialized():
             ray.init(address=ray_address)
+        elif ray_address is not None:
+            raise ConfigError(f"LearnerGroup(ray_address={ray_address!r}): this process already runs Ray (ray.init "
+                              "was called), so the address would be ignored; leave it out, or ray.shutdown() first")
         self.world_size, self.version = world_size, 0
         self.failure: LearnerRankError | None = None  # what stopped the group, once one rank failed
         remote = ray.remote(_Rank).options(num_cpus=num_cpus, num_gpus=num_gpus, **dict(actor_options or {}))
