@@ -6,6 +6,12 @@
     lora_policy = ml.Agent("tiny-random", trainable=True, lora=dict(r=8))
     remote = ml.Agent("smollm2-135m-instruct", trainable=True, engine="sglang",
                       engine_options=dict(url="http://localhost:30000"))
+    mojo = ml.Agent("smollm2-135m-instruct", engine="mojo")  # also: generation_backend="mojo"
+
+Engines (``materl.engines.ENGINES``): "transformers" (in process, torch), "mojo" (in process, a
+Mojo forward pass; falls back to "transformers" with a ``MojoFallbackWarning`` where Mojo is
+not installed or the model is not a Llama-family decoder) and "sglang" (a server).
+``engine=None`` picks :data:`DEFAULT_ENGINE`.
 
 Weights load lazily, on first use of ``.model``/``.tokenizer``/``.engine`` (so building a recipe
 with three agents costs nothing until it runs). Every Agent loads its own copy: two Agents of the
@@ -34,6 +40,9 @@ from materl.engines import models as _models
 from materl.engines.base import engine_sleep
 from materl.errors import ConfigError
 
+DEFAULT_ENGINE = "mojo"
+"""The engine of an Agent made with ``engine=None``."""
+
 
 class Agent:
     """A model, its tokenizer and a generation engine; see the module docstring."""
@@ -42,7 +51,7 @@ class Agent:
         self,
         model: str | os.PathLike | nn.Module,
         trainable: bool = False,
-        engine: str = "transformers",
+        engine: str | None = None,
         head: str | None = None,
         lora: Mapping[str, Any] | None = None,
         dtype: torch.dtype = torch.float32,
@@ -51,10 +60,19 @@ class Agent:
         tokenizer=None,
         name: str | None = None,
         cache_dir: str | os.PathLike | None = None,
+        generation_backend: str | None = None,
     ):
         """``model``: a named model (``materl.engines.models.NAMED_MODELS``), an HF-format folder,
-        or an already-built ``nn.Module`` (then pass ``tokenizer=``). Learning rates and other
-        learner settings are compile options (``ml.compile(..., lr=, value_lr=)``)."""
+        or an already-built ``nn.Module`` (then pass ``tokenizer=``). ``generation_backend`` is
+        another name for ``engine`` (the seed's spelling). Learning rates and other learner
+        settings are compile options (``ml.compile(..., lr=, value_lr=)``)."""
+        if generation_backend is not None:
+            if engine is not None and engine != generation_backend:
+                raise ConfigError(f"engine={engine!r} and generation_backend={generation_backend!r} name two "
+                                  f"engines; pass one of them")
+            engine = generation_backend
+        self.engine_explicit = engine is not None
+        engine = engine if engine is not None else DEFAULT_ENGINE
         ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
         if head is not None and head not in _models.HEADS:
             raise ConfigError(f"unknown head {head!r}; valid: {', '.join(_models.HEADS)} or None")
@@ -68,6 +86,7 @@ class Agent:
         self._model: nn.Module | None = None
         self._tokenizer = tokenizer
         self._engine = None
+        self._policy_version = 0
         if isinstance(model, nn.Module):
             if tokenizer is None:
                 raise ConfigError("Agent(model=<nn.Module>) needs tokenizer=; got tokenizer=None")
@@ -105,11 +124,26 @@ class Agent:
         if self._engine is None:
             cls = ENGINES.get(self.engine_name)
             try:
-                self._engine = cls.for_agent(self, **self.engine_options)
+                if self.engine_name == "mojo":  # falls back to "transformers"; warns only if asked for
+                    self._engine = cls.for_agent(self, warn=self.engine_explicit, **self.engine_options)
+                else:
+                    self._engine = cls.for_agent(self, **self.engine_options)
             except TypeError as exc:
                 raise ConfigError(f"bad engine_options {sorted(self.engine_options)} for engine "
                                   f"{self.engine_name!r}: {exc}") from exc
+            self._engine.weights_version = self._policy_version
         return self._engine
+
+    @property
+    def policy_version(self) -> int:
+        """How many optimizer steps the weights have had (0: as loaded); generations record it."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = int(version)
+        if self._engine is not None:
+            self._engine.weights_version = self._policy_version
 
     @property
     def loaded(self) -> bool:
@@ -244,6 +278,6 @@ class Agent:
             parts.append(f"head={self.head!r}")
         if self.lora:
             parts.append(f"lora=r{self.lora.get('r', 16)}")
-        if self.engine_name != "transformers":
+        if self.engine_explicit and self.engine_name != "transformers":
             parts.append(f"engine={self.engine_name!r}")
         return f"Agent({', '.join(parts)})"

@@ -10,6 +10,7 @@ import pytest
 import materl as ml
 from materl import compute
 from materl.compiler.learner import Learner
+from materl.engines.mojo_engine import MojoEngine
 from materl.engines.transformers_engine import TransformersEngine
 
 
@@ -92,6 +93,7 @@ def test_compiled_run_decodes_and_learns_in_the_calling_thread(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(TransformersEngine, "_decode_batch", spy("decode", TransformersEngine._decode_batch))
+    monkeypatch.setattr(MojoEngine, "_step", spy("decode", MojoEngine._step))  # whichever engine is the default
     monkeypatch.setattr(Learner, "run_updates", spy("learn", Learner.run_updates))
     from materl.recipes import grpo
 

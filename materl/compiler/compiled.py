@@ -148,7 +148,11 @@ class Compiled:
                                                             on_episode=on_episode)
         return episodes
 
-    async def learn(self, episodes: list[Episode]) -> dict[str, float]:
+    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
+        """The learner stage on finished episodes (``rollout_s``: how long their rollout took,
+        reported as ``time/rollout``): failure policy, prepare, updates, weight sync, references."""
+        if rollout_s is not None:  # a pipeline's step: the rollout ran elsewhere
+            self.timings = {"stage/rollout": rollout_s}
         ok = [e for e in episodes if e.ok]
         metrics = self.rollout_metrics(episodes)
         metrics.update(self.failures.metrics(episodes))
@@ -168,6 +172,7 @@ class Compiled:
         for agent in agents:
             if agent.trainable:
                 agent.sync_engine()  # in-process: drops stale copies; SGLang: pushes the new weights
+                agent.policy_version = self.step_count
         await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = self.step_count

@@ -70,11 +70,14 @@ class Episode:
         return as_rollout(self.resolve(name))
 
 
-def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequence[Any]], group_size: int) -> list[Episode]:
+def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequence[Any]], group_size: int, *,
+                  groups: Sequence[int] | None = None) -> list[Episode]:
     """The episodes of one rollout: ``group_size`` per prompt for recipes that generate (one for
     offline data), each with its row's other columns, a seed from (options.seed, step, index)
     and a uid unique in the process. A prompt row that is a dict gives its ``prompt`` or
-    ``messages`` as the prompt and its other keys as columns."""
+    ``messages`` as the prompt and its other keys as columns. ``groups``: each prompt's index in
+    the step's whole batch (default 0, 1, ...), for a worker that runs part of a batch: an
+    episode's index, seed and uid then do not depend on which worker runs it."""
     plan = ctx.plan
     columns = dict(columns)
     data_inputs = [n.name for n in plan.recipe.nodes if plan.role(n.name) is Role.DATA]
@@ -89,18 +92,21 @@ def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequenc
             raise CompileError(f"column {k!r} has {len(v)} values for {len(rows)} prompts")
     generates = plan.generates()
     g = group_size if generates else 1
+    groups = list(groups) if groups is not None else list(range(len(rows)))
+    if len(groups) != len(rows):
+        raise CompileError(f"make_episodes: {len(groups)} group indices for {len(rows)} prompts")
     episodes = []
-    for p, row in enumerate(rows):
+    for p, (row, group) in enumerate(zip(rows, groups)):
         cols = {k: v[p] for k, v in columns.items()}
         prompt = row
         if isinstance(row, dict) and generates:
             cols = {**{k: v for k, v in row.items() if k not in ("prompt", "messages")}, **cols}
             prompt = row.get("prompt", row.get("messages"))
-        gid = cols.get("id", p)
+        gid = cols.get("id", group)
         for j in range(g):
-            idx = p * g + j
+            idx = group * g + j
             seed = ctx.options.seed * 1_000_003 + ctx.step * 100_003 + idx
-            ep = Episode(idx, p, gid, prompt, cols, seed, uid=f"{ctx.rollout_id}-{idx}")
+            ep = Episode(idx, group, gid, prompt, cols, seed, uid=f"{ctx.rollout_id}-{idx}")
             for name in data_inputs:
                 ep.store(name, prompt if len(data_inputs) == 1 else row[name])
             episodes.append(ep)

@@ -1,6 +1,10 @@
 """The learner stage: batch tensors, prepare (no gradient), then epochs x mini-batches x
 micro-batches of forward/backward, gradient clipping and an optimizer step per mini-batch.
 
+Metrics an implementation returns per micro-batch are averaged over the update; whole-batch
+metrics (the engine-vs-learner mismatch) go in ``batch_metrics`` and are reported as set, or are
+computed after the loop from what micro-steps ``gather`` (over every process's rows).
+
 Loss aggregations get the mini-batch's global token/sequence count as their denominator, so
 summing micro-batch losses equals the mini-batch loss exactly (gradient accumulation is exact).
 What each node does here is its implementation's ``prepare``/``learn`` (``materl.compiler.kinds``).
@@ -55,6 +59,9 @@ class Partition(Protocol):
     def reduce(self, sums: dict[str, float]) -> dict[str, float]:
         """This process's metric sums -> the sums over every process."""
 
+    def gather(self, scratch: dict[str, list]) -> dict[str, list]:
+        """This process's gathered items per key -> every process's, in rank order."""
+
 
 class WholeBatch:
     """One process computes every row: the single-process learner."""
@@ -76,6 +83,9 @@ class WholeBatch:
     def reduce(self, sums: dict[str, float]) -> dict[str, float]:
         return sums
 
+    def gather(self, scratch: dict[str, list]) -> dict[str, list]:
+        return scratch
+
 
 class Learner:
     """One batch of episodes through prepare and the update loop."""
@@ -87,6 +97,11 @@ class Learner:
         self.partition = partition or WholeBatch()
         self.seq: dict[tuple[str, str], SeqBatch] = {}
         self.timings: dict[str, float] = {}
+        self.updates = 0  # optimizer steps taken on this batch: 0 while the weights are the step's start
+        self.batch_metrics: dict[str, float] = {}  # whole-batch metrics set by implementations, not averaged
+        self.scratch: dict[str, list] = {}  # what implementations gather across micro-batches (``gather``)
+        self.finishers: dict[str, Callable[[list], dict[str, float]]] = {}
+        self.padding = False  # the micro-step runs only to keep ranks in step (weight 0): gather nothing
 
     # -- batch tensors --
     def seq_batch(self, node: Node) -> SeqBatch:
@@ -173,16 +188,32 @@ class Learner:
                 denoms = part.denominators(self, rows)
                 micros = part.micro_batches(rows, micro)
                 for k, (idx, weight) in enumerate(micros):
+                    self.padding = not weight
                     step = partial(self.micro_step, idx, denoms)
                     loss, metrics = part.forward_backward(step, weight=weight, last=k == len(micros) - 1)
                     if weight:
                         self.accumulate(sums, metrics, loss, share=len(idx) / len(rows))
                 grad_norm += self.optimizer_step()
+                self.updates += 1
                 count += 1
+        self.padding = False
         self.timings["stage/learner"] = time.perf_counter() - t0
         sums = part.reduce(sums)
         sums["grad_norm"] = grad_norm
-        return {k: v / count for k, v in sums.items()}
+        return {k: v / count for k, v in sums.items()} | self.finish_batch_metrics()
+
+    def gather(self, key: str, item: tuple, finish: Callable[[list[tuple]], dict[str, float]]) -> None:
+        """Keep ``item`` (e.g. a micro-batch's tensors) under ``key``; after the update loop
+        ``finish(items)`` over every process's items (rank order) gives whole-batch metrics."""
+        if not self.padding:
+            self.scratch.setdefault(key, []).append(item)
+            self.finishers[key] = finish
+
+    def finish_batch_metrics(self) -> dict[str, float]:
+        out = dict(self.batch_metrics)
+        for key, items in self.partition.gather(self.scratch).items():
+            out |= self.finishers[key](items)
+        return out
 
     @staticmethod
     def accumulate(sums: dict[str, float], metrics: dict[str, float], loss: Tensor, *, share: float) -> None:

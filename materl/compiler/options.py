@@ -38,6 +38,13 @@ class CompileOptions(BaseModel):
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0,
                                        description="a step in which more episodes fail stops the run")
     system_prompt: str | None = None
+    # asynchronous training (ml.train / materl train; run() is one lock-step step)
+    max_staleness: int = Field(0, ge=0, description="rollouts may run this many policy versions ahead of "
+                                                    "the learner; 0: lock-step")
+    partial_rollouts: bool = Field(False, description="episodes in flight continue on new weights "
+                                                      "(each token records its version)")
+    deterministic: bool = Field(False, description="step k samples from exactly version max(0, k - "
+                                                   "max_staleness); re-runs and resumes repeat every batch")
     # learner
     lr: float = Field(1e-6, ge=0.0)
     optimizer: Literal["adamw", "sgd"] = "adamw"

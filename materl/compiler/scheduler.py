@@ -134,14 +134,15 @@ def plan_toolboxes(plan) -> list:
     return found
 
 
-async def rollout_from_context(ctx, agents, prompts, columns=None, *,
+async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Sequence[int] | None = None,
                                on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
     """What a rollout worker runs: the plan's toolboxes started here (its own servers, e.g. in
-    another process from a pickled context), the episodes built, the rollout stage run."""
+    another process from a pickled context), the episodes built (``groups``: the prompts'
+    indices in the step's batch), the rollout stage run."""
     toolboxes = plan_toolboxes(ctx.plan)
     for toolbox in toolboxes:
         await toolbox.start()
-    episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size)
+    episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size, groups=groups)
     await rollout_stage(Run(ctx, agents, tuple(toolboxes)), episodes, on_episode=on_episode)
     return episodes
 

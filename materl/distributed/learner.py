@@ -148,6 +148,15 @@ class RankPartition:
                 out[k] = out.get(k, 0.0) + v
         return out
 
+    def gather(self, scratch: dict[str, list]) -> dict[str, list]:
+        every: list[dict[str, list] | None] = [None] * self.world_size
+        dist.all_gather_object(every, scratch)
+        out: dict[str, list] = {}
+        for part in every:
+            for k, items in (part or {}).items():
+                out.setdefault(k, []).extend(items)
+        return out
+
 
 class DistributedLearner:
     """One rank of a data-parallel learner; see the module docstring. The process group must be
@@ -200,10 +209,14 @@ class DistributedLearner:
         return root
 
     # -- one step --
-    def step(self, episodes: list[Episode], ctx: StepContext) -> StepResult:
+    def step(self, episodes: list[Episode], ctx: StepContext,
+             lrs: Mapping[str, list[float]] | None = None) -> StepResult:
         """Learn on ``episodes`` (the whole batch, the same on every rank) as step ``ctx`` says;
-        every rank calls this. Returns the new version; rank 0's result carries the weights."""
+        every rank calls this. ``lrs``: each optimizer's learning rate per parameter group for
+        this step (an LR schedule run by the driver). Returns the new version; rank 0's result
+        carries the weights."""
         self._check(ctx)
+        self.set_lrs(lrs or {})
         if self.references is None:
             self.references = reference_pairs(ctx.plan, self.agents, self.options)
         options = ctx.options
@@ -223,6 +236,15 @@ class DistributedLearner:
         metrics.update({"time/prepare": t1 - t0, "time/learner": t2 - t1, "time/gather": time.perf_counter() - t2,
                         "ranks": float(self.world_size), "version": float(self.version)})
         return StepResult(self.version, metrics, Weights(self.version, weights) if self.rank == 0 else None)
+
+    def set_lrs(self, lrs: Mapping[str, list[float]]) -> None:
+        for name, values in lrs.items():
+            groups = self.optimizers[name].param_groups if name in self.optimizers else None
+            if groups is None or len(values) != len(groups):
+                raise ConfigError(f"learning rates {dict(lrs)} do not match this learner's optimizers "
+                                  f"{ {n: len(o.param_groups) for n, o in self.optimizers.items()} } (groups per agent)")
+            for group, lr in zip(groups, values):
+                group["lr"] = lr
 
     def _check(self, ctx: StepContext) -> None:
         changed = [k for k in OPTIMIZER_OPTIONS if getattr(ctx.options, k) != getattr(self.options, k)]

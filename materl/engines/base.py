@@ -32,11 +32,16 @@ class Generation:
     logprobs: list[float]  # one per token id: log softmax(logits / temperature)[token]
     finish_reason: str  # "stop" (eos/stop token), "stop_string", "length"
     prompt_len: int = 0
-    metadata: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)  # "version": the weights version that sampled it
 
 
 @runtime_checkable
 class Engine(Protocol):
+    """``weights_version``: the policy version of the weights it samples from, recorded in each
+    ``Generation.metadata["version"]`` (set by whoever loads new weights)."""
+
+    weights_version: int
+
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
 
     def sync_weights(self) -> None:

@@ -47,7 +47,10 @@ from materl import compute
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
-from materl.engines.models import cache_kwargs, causal_lm_of
+from materl.engines.hf import cache_kwargs, causal_lm_of
+from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
+    StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
+)
 from materl.errors import ConfigError, EngineError
 
 SETTLE_PASSES = 2  # loop passes without a new request before a batch is closed
@@ -93,8 +96,7 @@ class _Row:
 
     request: _Request
     generator: torch.Generator
-    stop_ids: frozenset[int]
-    tail_tokens: int  # how many trailing tokens to decode when checking stop strings
+    rule: StopRule
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str | None = None
@@ -122,7 +124,8 @@ class TransformersEngine:
         self.model_lock = threading.Lock()
         self._pending: list[_Request] = []
         self._leader: _Request | None = None
-        self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
+        self.eos_ids = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
@@ -139,12 +142,12 @@ class TransformersEngine:
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
         params = params or SamplingParams()
-        prompt_ids = _check_request(prompt_ids, params)
+        prompt_ids = check_request(prompt_ids, params)
         if params.max_new_tokens == 0:
             return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
         token = anyio.lowlevel.current_token()
         self._drop_stale(token)
-        req = _Request(prompt_ids, params, _request_seed(params), token)
+        req = _Request(prompt_ids, params, request_seed(params), token)
         self._pending.append(req)
         try:
             while not req.done:
@@ -239,6 +242,7 @@ class TransformersEngine:
     # -- decode loop ------------------------------------------------------------------------
 
     def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
+        version = self.weights_version  # weights change only between batches (both run in the compute thread)
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
         # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
@@ -269,88 +273,28 @@ class TransformersEngine:
             out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
                      use_cache=True, **cache_kwargs(lm, cache))
             logits = out.logits[:, -1, :]
-        return [self._finish(row, len(batch)) for row in rows]
+        return [self._finish(row, len(batch), version) for row in rows]
 
     def _new_row(self, req: _Request) -> _Row:
-        p = req.params
-        longest = max((len(s) for s in p.stop_strings), default=0)
-        return _Row(req, torch.Generator().manual_seed(req.seed),
-                    stop_ids=self.eos_ids | frozenset(p.stop_token_ids), tail_tokens=4 * longest + 4)
+        return _Row(req, torch.Generator().manual_seed(req.seed), StopRule.of(req.params, self.eos_ids))
 
     def _step(self, logits_B_V: Tensor, rows: list[_Row]) -> Tensor:
         """Sample one token for every live row, record it and apply the stop rules."""
-        ps = [r.request.params for r in rows]
-        dev = logits_B_V.device
-        greedy = [p.greedy or p.temperature == 0 for p in ps]
-        tokens, logprobs = sample_tokens(
-            logits_B_V,
-            torch.tensor([torch.rand((), generator=r.generator).item() for r in rows], device=dev),
-            temperature_B=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in ps], device=dev),
-            top_k_B=torch.tensor([p.top_k for p in ps], device=dev),
-            top_p_B=torch.tensor([p.top_p for p in ps], device=dev),
-            greedy_B=torch.tensor(greedy, device=dev),
-        )
-        for row, tok, lp in zip(rows, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = sample_rows(logits_B_V, [r.request.params for r in rows], [r.generator for r in rows])
+        for row, tok, lp in zip(rows, tokens, logprobs):
             row.ids.append(tok)
             row.logprobs.append(lp)
-            row.finish = self._stop_reason(row, tok)
-        return tokens
+            row.finish = row.rule.reason(row.ids, self.tokenizer)
+        return torch.tensor(tokens, device=logits_B_V.device)
 
-    def _stop_reason(self, row: _Row, tok: int) -> str | None:
-        params = row.request.params
-        if tok in row.stop_ids:
-            return "stop"
-        if params.stop_strings:
-            tail = self.tokenizer.decode(row.ids[-row.tail_tokens:], skip_special_tokens=False)
-            if any(s in tail for s in params.stop_strings):
-                return "stop_string"
-        if len(row.ids) >= params.max_new_tokens:
-            return "length"
-        return None
-
-    def _finish(self, row: _Row, batch_size: int) -> Generation:
+    def _finish(self, row: _Row, batch_size: int, version: int) -> Generation:
         text = self.tokenizer.decode(row.ids, skip_special_tokens=False)
-        meta = {"text": text, "batch_size": batch_size, "seed": row.request.seed}
+        meta = {"text": text, "batch_size": batch_size, "seed": row.request.seed, "version": version}
         return Generation(row.ids, row.logprobs, row.finish or "length",
                           prompt_len=len(row.request.prompt_ids), metadata=meta)
 
 
 # --------------------------------------------------------------------------------- helpers
-
-
-def _check_request(prompt_ids, params: SamplingParams) -> list[int]:
-    if not isinstance(params, SamplingParams):
-        raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
-    ids = [int(t) for t in prompt_ids]
-    if not ids:
-        raise EngineError("generate() needs at least one prompt token; got an empty prompt")
-    if params.max_new_tokens < 0:
-        raise ConfigError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
-    if params.temperature < 0:
-        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
-    if not 0 < params.top_p <= 1:
-        raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
-    if params.top_k < 0:
-        raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    return ids
-
-
-def _request_seed(params: SamplingParams) -> int:
-    """The request's own seed, or one drawn from torch's global generator (so an unseeded run is
-    still reproducible under ``torch.manual_seed``)."""
-    if params.seed is not None:
-        return int(params.seed)
-    return int(torch.randint(0, 2**62, ()).item())
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    config = getattr(causal_lm_of(model), "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    ids.add(tokenizer.eos_token_id)
-    ids.discard(None)
-    return ids
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
@@ -362,57 +306,3 @@ def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Te
         ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
         mask[i, width - len(p):] = 1
     return ids.to(device), mask.to(device)
-
-
-def top_k_top_p_filter(scaled_B_V: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
-    """Set logits outside each row's top-k / nucleus to -inf; shapes (B, V), (B,), (B,).
-
-    Order as HF ``generate``, vLLM and SGLang: top-k first, then top-p on the renormalised
-    top-k distribution. Top-p keeps the smallest prefix of tokens (by probability, descending)
-    whose mass reaches p: token j survives iff the mass of strictly more probable tokens is
-    < p, so the most probable token always survives. ``top_k <= 0`` and ``top_p >= 1`` are off.
-    (HF: ``TopKLogitsWarper`` + ``TopPLogitsWarper``, which removes ascending cumsum <= 1 - p.)
-    """
-    vocab = scaled_B_V.size(-1)
-    sorted_B_V, order_B_V = scaled_B_V.sort(dim=-1, descending=True)
-    ranks_V = torch.arange(vocab, device=scaled_B_V.device)
-    k_B = torch.where(top_k_B > 0, top_k_B.clamp(max=vocab), torch.full_like(top_k_B, vocab))
-    remove_B_V = ranks_V[None, :] >= k_B[:, None]
-    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
-    probs_B_V = sorted_B_V.softmax(dim=-1)
-    mass_before_B_V = probs_B_V.cumsum(dim=-1) - probs_B_V
-    threshold_B = torch.where(top_p_B < 1.0, top_p_B, torch.full_like(top_p_B, float("inf")))
-    remove_B_V = remove_B_V | (mass_before_B_V >= threshold_B[:, None])
-    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
-    return torch.empty_like(scaled_B_V).scatter_(-1, order_B_V, sorted_B_V)
-
-
-def sample_tokens(
-    logits_B_V: Tensor,
-    uniform_B: Tensor,
-    *,
-    temperature_B: Tensor,
-    top_k_B: Tensor,
-    top_p_B: Tensor,
-    greedy_B: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """Draw one token per row and return ``(tokens_B, logprobs_B)``.
-
-    logprob_i = log_softmax(logits_i / T_i)[token_i]   (no top-k/top-p renormalisation; this is
-    what the learner recomputes; T_i must be > 0: greedy rows pass their temperature or 1).
-    Sampling is inverse-CDF with one uniform per row, u_i in [0, 1):
-    token_i = min{j : cdf_i[j] > u_i * cdf_i[V-1]} over the filtered distribution, so a row's
-    draw depends only on its own logits and its own generator. Greedy rows take argmax(logits).
-    (HF ``generate`` draws with ``torch.multinomial`` from one global generator; vLLM/SGLang
-    report the same un-renormalised log-probs by default.)
-    """
-    scaled_B_V = logits_B_V.float() / temperature_B[:, None]
-    logprobs_B_V = scaled_B_V.log_softmax(dim=-1)
-    needs_filter = bool(((top_k_B > 0) | (top_p_B < 1.0)).any())
-    filtered_B_V = top_k_top_p_filter(scaled_B_V, top_k_B, top_p_B) if needs_filter else scaled_B_V
-    cdf_B_V = filtered_B_V.softmax(dim=-1).cumsum(dim=-1)
-    target_B1 = (uniform_B.to(cdf_B_V) * cdf_B_V[:, -1])[:, None]
-    sampled_B = torch.searchsorted(cdf_B_V, target_B1, right=True).squeeze(-1)
-    sampled_B = sampled_B.clamp_(max=logits_B_V.size(-1) - 1)
-    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
-    return tokens_B, logprobs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)

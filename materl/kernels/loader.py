@@ -18,8 +18,10 @@ Cache: ``$MATERL_CACHE_DIR/mojo/<mojo-version>-<cpu-target>/<source-hash>/<stem>
 (``MATERL_CACHE_DIR`` defaults to ``~/.cache/materl``). ``<mojo-version>`` is ``mojo --version``
 (release and build hash), ``<cpu-target>`` the triple, CPU and a hash of the CPU features from
 ``mojo build --print-effective-target``, ``<source-hash>`` a hash of the source text and the build
-flags. A changed source, compiler or CPU gets a new directory; nothing is ever written next to the
-sources. Builds go to a temporary file renamed into place, so concurrent processes are safe.
+flags. A kernel file may import Mojo packages that sit beside it (a folder with ``__init__.mojo``,
+e.g. ``kernels/llama/``): it is built with ``-I`` its folder, and the hash covers every ``.mojo``
+file of the packages it imports. A changed source, compiler or CPU gets a new directory; nothing
+is ever written next to the sources. Builds go to a temporary file renamed into place, so concurrent processes are safe.
 (The stock ``mojo.importer`` keys its cache on the source only and writes ``__mojocache__`` into
 the source tree.) Modular's own compiler caches stay where ``MODULAR_CACHE_DIR`` puts them.
 
@@ -220,41 +222,60 @@ class Kernel:
 
 _by_hash: dict[str, Kernel] = {}  # source hash -> loaded kernel
 _failed: dict[str, str] = {}  # source hash -> why its build failed
-_by_path: dict[Path, tuple[tuple[int, int], Kernel]] = {}  # source file -> (stat key, kernel)
+_by_path: dict[Path, tuple[tuple, Kernel]] = {}  # source file -> (stat keys of it and its packages, kernel)
 _files: dict[Path, tuple[tuple[int, int], str]] = {}  # source path -> (stat key, text)
 _warned: set[str] = set()
 
 
-def source_hash(source: str) -> str:
+def source_hash(source: str, packages: tuple[str, ...] = ()) -> str:
+    """Hash of the build flags, ``source`` and the text of the packages it imports."""
     h = hashlib.sha256()
     h.update(" ".join(BUILD_FLAGS).encode())
     h.update(b"\0")
     h.update(source.encode())
+    for text in packages:
+        h.update(b"\0")
+        h.update(text.encode())
     return h.hexdigest()[:16]
 
 
-def build_dir(source: str) -> Path:
+def imported_packages(source: str, folder: Path) -> list[Path]:
+    """The ``.mojo`` files of the packages beside ``folder``'s file that ``source`` imports (a
+    folder with ``__init__.mojo``), sorted; a package's own files may import nothing else local."""
+    names = set(re.findall(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", source, re.MULTILINE))
+    files: list[Path] = []
+    for name in sorted(names):
+        if (folder / name / "__init__.mojo").is_file():
+            files += sorted((folder / name).rglob("*.mojo"))
+    return files
+
+
+def build_dir(source: str, packages: tuple[str, ...] = ()) -> Path:
     """Where ``source`` is (or will be) built: ``cache_root()/<toolchain>/<source hash>``."""
-    return cache_root() / toolchain().key / source_hash(source)
+    return cache_root() / toolchain().key / source_hash(source, packages)
 
 
-def compile_source(stem: str, source: str, *, origin: str | os.PathLike | None = None) -> Kernel:
+def compile_source(stem: str, source: str, *, origin: str | os.PathLike | None = None,
+                   include: Path | None = None) -> Kernel:
     """Build ``source`` (Mojo text) as ``<stem>.so`` in the cache unless already built, and load it.
 
-    Raises KernelError carrying the compiler's message when Mojo is unavailable or the build fails
-    (its file locations name ``origin``, the file the source came from, when given).
+    ``include``: a folder whose Mojo packages ``source`` may import (built with ``-I include``;
+    the packages' text is part of the cache key). Raises KernelError carrying the compiler's
+    message when Mojo is unavailable or the build fails (its file locations name ``origin``, the
+    file the source came from, when given).
     """
-    digest = source_hash(source)
+    packages = tuple(read_source(f) for f in imported_packages(source, include)) if include is not None else ()
+    digest = source_hash(source, packages)
     with _lock:
         cached = _by_hash.get(digest)
         if cached is not None:
             return cached
         if digest in _failed:  # a failed build is not retried in this process
             raise KernelError(_failed[digest])
-        out = build_dir(source) / f"{_safe(stem)}.so"
+        out = build_dir(source, packages) / f"{_safe(stem)}.so"
         if not out.is_file():
             try:
-                _build(stem, source, out, origin)
+                _build(stem, source, out, origin, include)
             except KernelError as e:
                 _failed[digest] = str(e)
                 raise
@@ -267,7 +288,7 @@ def compile_source(stem: str, source: str, *, origin: str | os.PathLike | None =
         return kernel
 
 
-def _build(stem: str, source: str, out: Path, origin: str | os.PathLike | None) -> None:
+def _build(stem: str, source: str, out: Path, origin: str | os.PathLike | None, include: Path | None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     src = out.with_suffix(".mojo")
     if not src.is_file():
@@ -275,7 +296,8 @@ def _build(stem: str, source: str, out: Path, origin: str | os.PathLike | None) 
     fd, tmp = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = _run_mojo(["build", str(src), *BUILD_FLAGS, "-o", tmp], timeout=BUILD_TIMEOUT_S)
+        includes = ["-I", str(include)] if include is not None else []
+        proc = _run_mojo(["build", str(src), *includes, *BUILD_FLAGS, "-o", tmp], timeout=BUILD_TIMEOUT_S)
         if proc.returncode != 0:
             msg = (proc.stderr or b"").decode(errors="replace").strip() or (proc.stdout or b"").decode(errors="replace")
             if origin is not None:
@@ -321,13 +343,15 @@ def read_source(path: Path) -> str:
 
 
 def compile_file(path: str | os.PathLike) -> Kernel:
-    """Build and load one .mojo file (raises KernelError on a missing file or build error)."""
+    """Build and load one .mojo file and the sibling packages it imports (raises KernelError on
+    a missing file or build error)."""
     path = Path(path)
-    key = _stat_key(path)
+    source = read_source(path)
+    key = (_stat_key(path), *(_stat_key(f) for f in imported_packages(source, path.parent)))
     hit = _by_path.get(path)
-    if hit is not None and hit[0] == key:  # unchanged file: skip re-reading and hashing
+    if hit is not None and hit[0] == key:  # unchanged files: skip re-reading and hashing
         return hit[1]
-    kernel = compile_source(path.stem, read_source(path), origin=path)
+    kernel = compile_source(path.stem, source, origin=path, include=path.parent)
     _by_path[path] = (key, kernel)
     return kernel
 

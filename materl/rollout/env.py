@@ -51,7 +51,7 @@ async def run_env_episode(engine, tokenizer, env: Environment, prompt: Any, colu
         sampled = await sample_turn(engine, tokenizer, state.ids,
                                     dc_replace(params, seed=(params.seed or 0) + 7919 * turn))
         out = await env.step(sampled.text)
-        step = dc_replace(sampled, reward=out.reward, metadata=dict(out.info))
+        step = dc_replace(sampled, reward=out.reward, metadata={**sampled.metadata, **out.info})
         state = dc_replace(state, ids=state.ids + step.token_ids, steps=state.steps + [step],
                            messages=state.messages + [{"role": "assistant", "content": step.text}])
         observation = out.observation

@@ -177,13 +177,14 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
 
 async def sample_turn(engine, tokenizer, ids: list[int], params: SamplingParams) -> Step:
     """One model turn continuing ``ids``: the engine's exact token ids and sampling log-probs,
-    the decoded text and the latency, as a generate ``Step``. Single-turn generation,
+    the decoded text, the latency and the weights version that sampled it, as a generate ``Step``. Single-turn generation,
     ``generate_step`` and environments all sample through here."""
     t0 = time.perf_counter()
     gen = await engine.generate(ids, params)
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    meta = {"version": gen.metadata["version"]} if "version" in gen.metadata else {}
     return Step("generate", list(gen.token_ids), list(gen.logprobs), text=text, finish_reason=gen.finish_reason,
-                latency_s=time.perf_counter() - t0)
+                latency_s=time.perf_counter() - t0, metadata=meta)
 
 
 def _closing(tokenizer, state: EpisodeState, before: str) -> str:
@@ -261,7 +262,7 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
     step = replace(sampled, tool_calls=parsed.calls,
                    finish_reason="tool_call" if parsed.calls else sampled.finish_reason,
                    error="; ".join(c.error for c in parsed.calls if c.error) or None,
-                   metadata={"tool_format": fmt.name} if parsed.calls else {})
+                   metadata={**sampled.metadata, **({"tool_format": fmt.name} if parsed.calls else {})})
     messages = state.messages + [_assistant_message(step.text, parsed)]
     done = not parsed.calls or sampled.finish_reason == "length"
     state = replace(state, ids=state.ids + step.token_ids, messages=messages, steps=state.steps + [step], done=done)

@@ -106,6 +106,12 @@ class Rollout:
         return out
 
     @property
+    def token_versions(self) -> list[int | None]:
+        """Per completion token: the policy version that sampled it (None for tool tokens and
+        for engines that do not record one)."""
+        return [s.metadata.get("version") if s.trainable else None for s in self.steps for _ in s.token_ids]
+
+    @property
     def step_ends(self) -> list[int]:
         """Index (into completion_ids) of each step's last token; -1 for an empty first step."""
         ends, n = [], 0

@@ -63,13 +63,16 @@ def step_dir_name(step: int) -> str:
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, agents: Mapping[str, Any],
                     optimizers: Mapping[str, torch.optim.Optimizer], schedulers: Mapping[str, Any] | None = None,
                     data_state: Mapping[str, Any] | None = None, config: Any = None,
-                    metrics: Mapping[str, Any] | None = None, keep_last: int = 3) -> Path:
+                    metrics: Mapping[str, Any] | None = None, keep_last: int = 3,
+                    tensors: Mapping[str, Mapping[str, torch.Tensor]] | None = None) -> Path:
     """Write ``run_dir/checkpoints/step-<step>/`` atomically, point ``latest`` at it, prune old
     ones to ``keep_last``; returns the checkpoint folder.
 
     agents: name -> Agent (``.model``, and ``name``/``head``/``lora``/``trainable`` for
     ``agent.json``). ``data_state``: JSON-able (e.g. a sampler's ``state_dict()``). ``config``: a
-    TrainConfig or a plain dict. Saving the same step again replaces that checkpoint.
+    TrainConfig or a plain dict. ``tensors``: name -> tensors saved as ``extra/<name>.safetensors``
+    (an asynchronous run's recent policy versions), read back with ``load_tensors``. Saving the
+    same step again replaces that checkpoint.
     """
     if not isinstance(step, int) or step < 0:
         raise ConfigError(f"checkpoint step must be an int >= 0, got {step!r}")
@@ -86,6 +89,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, agents: Mapping[st
         _write_states(tmp / "optim", optimizers)
         _write_states(tmp / "sched", schedulers or {})
         _torch_save(rng_state(), tmp / "rng.pt")
+        _write_tensors(tmp / "extra", tensors or {})
         if config is not None:
             _write_text(tmp / "config.yaml", _config_yaml(config))
         state = {"format": FORMAT, "step": step, "data_state": dict(data_state or {}),
@@ -132,6 +136,25 @@ def agent_info(agent: Any) -> dict[str, Any]:
             "dtype": str(dtype).removeprefix("torch.") if dtype is not None else "float32"}
 
 
+def _write_tensors(folder: Path, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+    from safetensors.torch import save_file
+
+    if not tensors:
+        return
+    folder.mkdir()
+    for name, table in tensors.items():
+        save_file({k: v.detach().contiguous() for k, v in table.items()}, str(folder / f"{name}.safetensors"))
+        _fsync_file(folder / f"{name}.safetensors")
+
+
+def load_tensors(checkpoint: Any, name: str) -> dict[str, torch.Tensor]:
+    """The tensors saved under ``name`` (``save_checkpoint(tensors=...)``); {} if there are none."""
+    from safetensors.torch import load_file
+
+    path = Path(getattr(checkpoint, "path", checkpoint)) / "extra" / f"{name}.safetensors"
+    return load_file(str(path)) if path.exists() else {}
+
+
 def _write_states(folder: Path, objs: Mapping[str, Any]) -> None:
     if not objs:
         return
@@ -142,7 +165,6 @@ def _write_states(folder: Path, objs: Mapping[str, Any]) -> None:
 
 def _config_yaml(config: Any) -> str:
     import yaml
-
 
     return yaml.safe_dump(config_to_dict(config) if not isinstance(config, dict) else _jsonable(config),
                           sort_keys=False)

@@ -49,10 +49,14 @@ def summarize(compiled, episodes) -> dict[str, float]:
 
 def evaluate_compiled(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
     """Greedy, one episode per prompt, through the compiled recipe's rollout stage;
-    ``on_episode(episode)`` as each finishes (a progress bar)."""
+    ``on_episode(episode)`` as each finishes (a progress bar). Blocking; ``evaluate_async`` in
+    the step's event loop."""
+    return compiled.call_blocking(evaluate_async, compiled, rows, on_episode=on_episode)
+
+
+async def evaluate_async(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
     prompts, columns = split_columns(rows)
-    episodes = compiled.call_blocking(compiled.rollout, prompts, group_size=1, greedy=True, on_episode=on_episode,
-                                      **columns)
+    episodes = await compiled.rollout(prompts, group_size=1, greedy=True, on_episode=on_episode, **columns)
     return summarize(compiled, episodes)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,9 +48,10 @@ class RunLogger:
         self.metrics_path = self.run_dir / METRICS_FILE
         self._closed = False
         self._bar = _progress_bar(total_steps) if progress else None
+        self._step_bars: dict[int, Any] = {}
         self._tb = _tensorboard_writer(self.run_dir, tensorboard)
         self._wandb = _start_wandb(self.run_dir, config, run_name) if wandb else None
-        self._mlflow = _start_mlflow(self.run_dir, config, run_name) if mlflow else None
+        self._mlflow = _MLflowRun(self.run_dir, config, run_name) if mlflow else None
 
     # -- logging --
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float | None]:
@@ -67,7 +69,7 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.log(finite, step=int(step))
         if self._mlflow is not None:
-            self._mlflow.log_metrics({_mlflow_key(k): v for k, v in finite.items()}, step=int(step))
+            self._mlflow.log(finite, int(step))
         return record
 
     def log_samples(self, step: int, episodes_text: Sequence[str]) -> Path:
@@ -104,6 +106,23 @@ class RunLogger:
         finally:
             bar.close()
 
+    def step_bar(self, step: int, total: int):
+        """A bar over the episodes of training step ``step`` (several can be open at once when
+        rollouts run ahead); returns the per-episode callback. ``end_step_bar`` closes it."""
+        if self._bar is None:
+            return lambda episode: None
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=f"step {step}", unit="episode", leave=False, dynamic_ncols=True,
+                   position=1 + len(self._step_bars))
+        self._step_bars[step] = bar
+        return lambda episode: bar.update(1)
+
+    def end_step_bar(self, step: int) -> None:
+        bar = self._step_bars.pop(step, None)
+        if bar is not None:
+            bar.close()
+
     def _update_bar(self, step: int, m: Mapping[str, float]) -> None:
         bar = self._bar
         shown = progress_fields(m)
@@ -127,7 +146,7 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
         if self._mlflow is not None:
-            self._mlflow.end_run()
+            self._mlflow.close()
         return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
 
     def __enter__(self) -> RunLogger:
@@ -281,14 +300,33 @@ def _start_wandb(run_dir: Path, config: Mapping[str, Any] | None, name: str | No
     return run if run is not None else wandb
 
 
-def _start_mlflow(run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
-    """An MLflow run at ``MLFLOW_TRACKING_URI``, else in ``run_dir/mlflow.db`` (sqlite)."""
-    mlflow = require_backend("mlflow")
-    mlflow.set_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}")
-    mlflow.start_run(run_name=name)
-    if config:
-        mlflow.log_params(_flatten(config))
-    return mlflow
+class _MLflowRun:
+    """One MLflow run driven through ``MlflowClient`` with its run id (the fluent API keeps the
+    active run per thread, and a run's steps may be logged from the step's event-loop thread)."""
+
+    def __init__(self, run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
+        mlflow = require_backend("mlflow")
+        from mlflow.tracking import MlflowClient
+
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{run_dir.resolve() / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=uri)
+        experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        exp = self.client.get_experiment_by_name(experiment) if experiment else None
+        exp_id = exp.experiment_id if exp else (self.client.create_experiment(experiment) if experiment else "0")
+        self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
+        self._Metric, self._Param = mlflow.entities.Metric, mlflow.entities.Param
+        if config:
+            params = [self._Param(k, v) for k, v in _flatten(config).items()]
+            for i in range(0, len(params), 100):  # MLflow caps a batch at 100 params
+                self.client.log_batch(self.run_id, params=params[i:i + 100])
+
+    def log(self, metrics: Mapping[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[self._Metric(_mlflow_key(k), v, now, step)
+                                                    for k, v in metrics.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 def require_backend(package: str):

@@ -19,10 +19,13 @@ import torch
 
 from materl.errors import ConfigError
 from materl.runtime.build import build_from_config
-from materl.runtime.checkpoint import load_checkpoint, restore, save_checkpoint
+from materl import compute
+from materl.distributed.launch import rollout_side
+from materl.distributed.pipeline import Pipeline
+from materl.runtime.checkpoint import load_checkpoint, load_tensors, restore, save_checkpoint
 from materl.runtime.config import config_to_dict, validate_config
-from materl.runtime.data import Sampler, load_rows, split_columns
-from materl.runtime.evaluate import evaluate_compiled
+from materl.runtime.data import Sampler, load_rows
+from materl.runtime.evaluate import evaluate_async
 from materl.runtime.logging import RunLogger, format_episode
 
 
@@ -41,20 +44,13 @@ def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
     return factor
 
 
-def run_step(compiled, rows: list[dict], *, on_episode=None) -> dict[str, float]:
-    inputs = [n.name for n in compiled.recipe.nodes if n.op == "input"]
-    if inputs == ["prompts"]:
-        prompts, columns = split_columns(rows)
-        return compiled.run(prompts, on_episode=on_episode, **columns)
-    return compiled.run(on_episode=on_episode, **{inputs[0]: rows})
-
-
 def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_dataset: Any = None,
           eval_every: int = 0, save_every: int = 0, keep_last: int = 3, run_dir: str | Path = "runs/materl",
           resume: str | Path | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
-          on_step=None) -> dict[str, Any]:
+          on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
+          ) -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
     history, evaluations and the last checkpoint path.
 
@@ -63,68 +59,146 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     (compile option ``max_failed_fraction``): nothing is saved for it, so the last checkpoint
     stays the last good one. ``progress``: a bar over steps, and one over each step's episodes
     and each evaluation's. ``wandb``/``mlflow``: also send every metric there (ConfigError if
-    the package is not installed)."""
+    the package is not installed).
+
+    Steps run through ``materl.distributed.pipeline.Pipeline``: with the compile option
+    ``max_staleness=S > 0`` the rollouts of the next S batches run while the learner trains (the
+    asynchronous pipeline); with S = 0 each step is ``compiled.run`` on its batch. ``workers``:
+    0 samples in this process; N >= 1 in N Ray actors (``ray_address``: an existing cluster,
+    default a local one; ``weight_transport``: ``object_store`` or ``disk``)."""
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
-    run_dir = Path(run_dir)
+    run = _Run(compiled, Path(run_dir), steps=steps, keep_last=keep_last, config=config)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     sampler = Sampler(load_rows(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle)
-    eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
-    schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
-                                                                          warmup_steps=warmup_steps))
-                  for name, opt in compiled.optimizers.items()}
-    start = 0
+    run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
+                                                                              warmup_steps=warmup_steps))
+                      for name, opt in compiled.optimizers.items()}
+    store, rollout_workers = rollout_side(compiled, workers=workers, ray_address=ray_address,
+                                          transport=weight_transport, folder=str(Path(run_dir) / "versions"))
     if resume:
         ckpt = load_checkpoint(resume)
-        restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=schedulers)
+        restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=run.schedulers)
         sampler.load_state_dict(ckpt.data_state["sampler"])
-        compiled.step_count = start = int(ckpt.step)
-    logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
-                       mlflow=mlflow, config=config)
-    history, evals, last_ckpt = [], [], None
+        compiled.step_count = run.start = int(ckpt.step)
+        for agent in compiled.agents.values():
+            if agent.trainable:
+                agent.policy_version = run.start
+        restore_versions(store, load_tensors(ckpt, VERSIONS))
+    run.logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
+                           mlflow=mlflow, config=config)
+    run.eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
+    run.eval_every, run.save_every, run.samples_every, run.on_step = eval_every, save_every, samples_every, on_step
+    states: dict[int, dict] = {}  # batch index -> data position before it
 
-    def evaluate(step: int) -> None:
-        if eval_rows is not None:
-            with logger.episode_bar(len(eval_rows), f"eval @ step {step}") as tick:
-                result = evaluate_compiled(compiled, eval_rows, on_episode=tick)
-            evals.append({"step": step, **result})
-            logger.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+    def next_batch(k: int) -> list[dict]:
+        states[k] = sampler.state_dict()  # the data position before batch k (a checkpoint after k - 1 resumes here)
+        return sampler.next_batch()
 
+    def data_position(k: int) -> dict:
+        """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
+        return states.pop(k) if k in states else sampler.state_dict()
+
+    pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
+                        max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
+                        progress=lambda k, total: run.logger.step_bar(k + 1, total))
     try:
-        if eval_every and start == 0:
-            evaluate(0)
-        for step in range(start + 1, steps + 1):
-            t0 = time.perf_counter()
-            batch = sampler.next_batch()
-            lr = next(iter(schedulers.values())).get_last_lr()[0] if schedulers else 0.0  # what this step uses
-            with logger.episode_bar(len(batch) * compiled.episodes_per_prompt, f"step {step}") as tick:
-                metrics = run_step(compiled, batch, on_episode=tick)
-            for s in schedulers.values():
-                s.step()
-            metrics["lr"] = lr
-            metrics["time/wall"] = time.perf_counter() - t0
-            history.append({"step": step, **metrics})
-            logger.log(step, metrics)
-            if samples_every and step % samples_every == 0:
-                tok = next(iter(compiled.agents.values())).tokenizer
-                logger.log_samples(step, [format_episode(compiled.episode_rollout(e), tok, metrics=_reward_terms(e))
-                                          for e in compiled.last_episodes[:4]])
-            if on_step is not None:
-                on_step(step, metrics)
-            if eval_every and step % eval_every == 0:
-                evaluate(step)
-            if (save_every and step % save_every == 0) or step == steps:
-                last_ckpt = save_checkpoint(run_dir, step, agents=compiled.agents, optimizers=compiled.optimizers,
-                                            schedulers=schedulers, data_state={"sampler": sampler.state_dict()},
-                                            config=config, metrics=metrics, keep_last=keep_last)
-        if eval_every and steps % eval_every:
-            evaluate(steps)
+        compiled.call_blocking(run.loop, pipeline, data_position)
     finally:
-        logger.close()
-    return {"history": history, "evals": evals, "checkpoint": str(last_ckpt) if last_ckpt else None,
+        run.logger.close()
+        if workers:
+            compiled.call_blocking(_close_workers, rollout_workers)
+    return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
             "run_dir": str(run_dir)}
+
+
+class _Run:
+    """One ``ml.train`` call's bookkeeping around the pipeline's steps."""
+
+    def __init__(self, compiled, run_dir: Path, *, steps: int, keep_last: int, config: dict | None):
+        self.compiled, self.run_dir, self.steps, self.keep_last, self.config = compiled, run_dir, steps, keep_last, config
+        self.start, self.history, self.evals, self.last_ckpt = 0, [], [], None
+        self.schedulers: dict = {}
+
+    async def loop(self, pipeline: Pipeline, data_position) -> None:
+        if self.eval_every and self.start == 0:
+            await self.evaluate(0)
+        self._t0 = time.perf_counter()
+        self._lrs = {self.start: self._lr()}
+        await pipeline.run(self.start, self.steps, lambda k, metrics: self.after_step(k, metrics, pipeline,
+                                                                                      data_position))
+        if self.eval_every and self.steps % self.eval_every:
+            await self.evaluate(self.steps)
+
+    async def after_step(self, k: int, metrics: dict, pipeline: Pipeline, data_position) -> None:
+        """Step ``k``'s bookkeeping: LR schedule, logs, samples, evaluation, checkpoint."""
+        step = k + 1
+        self.logger.end_step_bar(step)
+        for s in self.schedulers.values():
+            s.step()
+        self._lrs[step] = self._lr()
+        metrics["lr"] = self._lrs.pop(k)  # what this step trained with
+        metrics["time/wall"], self._t0 = time.perf_counter() - self._t0, time.perf_counter()
+        metrics["time/step"] = metrics["time/wall"]  # wall time per step of the run (rollouts overlap it)
+        metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/wall"]
+        self.history.append({"step": step, **metrics})
+        self.logger.log(step, metrics)
+        self._samples(step)
+        if self.on_step is not None:
+            self.on_step(step, metrics)
+        if self.eval_every and step % self.eval_every == 0:
+            await self.evaluate(step)
+        if (self.save_every and step % self.save_every == 0) or step == self.steps:
+            await self.save(step, metrics, pipeline, data_position(step))
+
+    def _lr(self) -> float:
+        return next(iter(self.schedulers.values())).get_last_lr()[0] if self.schedulers else 0.0
+
+    def _samples(self, step: int) -> None:
+        if self.samples_every and step % self.samples_every == 0:
+            tok = next(iter(self.compiled.agents.values())).tokenizer
+            self.logger.log_samples(step, [format_episode(self.compiled.episode_rollout(e), tok,
+                                                          metrics=_reward_terms(e))
+                                           for e in self.compiled.last_episodes[:4]])
+
+    async def evaluate(self, step: int) -> None:
+        if self.eval_rows is None:
+            return
+        with self.logger.episode_bar(len(self.eval_rows), f"eval @ step {step}") as tick:
+            result = await evaluate_async(self.compiled, self.eval_rows, on_episode=tick)
+        self.evals.append({"step": step, **result})
+        self.logger.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+
+    async def save(self, step: int, metrics: dict, pipeline: Pipeline, sampler_state: dict | None) -> None:
+        """A checkpoint after ``step``: weights, optimizers, schedulers, the data position of the
+        next batch, and the policy versions the next batches may still sample from."""
+        versions = {f"v{v}/{k}": t for v in pipeline.needed_versions(step) if v < step
+                    for k, t in pipeline.store.get(v).items()}
+        c = self.compiled
+        self.last_ckpt = await compute.acall(
+            save_checkpoint, self.run_dir, step, agents=c.agents, optimizers=c.optimizers, schedulers=self.schedulers,
+            data_state={"sampler": sampler_state}, config=self.config, metrics=metrics, keep_last=self.keep_last,
+            tensors={VERSIONS: versions} if versions else None)
+
+
+VERSIONS = "policy_versions"  # checkpoint tensors: the recent versions an asynchronous run still needs
+
+
+def restore_versions(store, tensors: dict) -> None:
+    """Publish the versions a checkpoint kept (``v<version>/<agent>/<parameter>``) into ``store``."""
+    by_version: dict[int, dict] = {}
+    for key, value in tensors.items():
+        v, _, rest = key.partition("/")
+        by_version.setdefault(int(v[1:]), {})[rest] = value
+    for v, state in sorted(by_version.items()):
+        store.publish(v, state)
+
+
+async def _close_workers(workers) -> None:
+    for w in workers:
+        await w.aclose()
 
 
 def _reward_terms(episode) -> dict[str, float]:
@@ -149,7 +223,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
-                       config=config_to_dict(cfg))
+                       config=config_to_dict(cfg), workers=cfg.distributed.workers,
+                       ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport)
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}

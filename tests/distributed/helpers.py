@@ -20,9 +20,11 @@ PROMPTS = ["Count to three.", "Name a colour.", "Say hi.", "Spell cat."]
 BASE = dict(group_size=2, max_new_tokens=12, micro_batch_size=1, mini_batch_size=4, seed=0)
 SGD = dict(optimizer="sgd", lr=0.5, max_grad_norm=None)  # the update is -lr * gradient
 ADAMW = dict(lr=1e-2, max_grad_norm=0.05, epochs=2, shuffle=True)  # clipping active: norms are 0.2-0.5
-# the one-process runs the tests compare with, by name: (options, LoRA or full fine-tuning)
+# the one-process runs the tests compare with, by name: (options, LoRA or full fine-tuning); a
+# "correction" option runs ml.with_off_policy_correction(pg, correction) (recomputed old log-probs)
 CASES = {"full-sgd": (SGD, False), "lora-adamw": (ADAMW, True),
-         "full-adamw-ema": ({**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}}, False)}
+         "full-adamw-ema": ({**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}}, False),
+         "tis-adamw": ({**ADAMW, "correction": "tis"}, False)}
 
 
 @ml.recipe
@@ -81,7 +83,10 @@ def reference(options: dict, *, lora: bool = False, steps: int = 2) -> dict:
 
 def _reference(options: dict, lora: bool, steps: int) -> dict:
     agents = tiny_agents(lora)
-    step = ml.compile(pg, **agents, **{**BASE, **options})
+    options = dict(options)
+    correction = options.pop("correction", None)
+    recipe = ml.with_off_policy_correction(pg, correction) if correction else pg
+    step = ml.compile(recipe, **agents, **{**BASE, **options})
     before = trainable(agents["policy"])
     out = {"batches": [], "weights": [before], "metrics": []}
     for k in range(steps):

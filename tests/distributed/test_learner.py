@@ -26,7 +26,7 @@ from materl.distributed.torchrun import free_port
 from tests.distributed import helpers as H
 from tests.tolerance import assert_same_update
 
-CONFIGS = {"ddp": ["full-sgd", "lora-adamw"], "fsdp2": ["full-sgd", "lora-adamw", "full-adamw-ema"]}
+CONFIGS = {"ddp": ["full-sgd", "lora-adamw", "tis-adamw"], "fsdp2": ["full-sgd", "lora-adamw", "full-adamw-ema", "tis-adamw"]}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,15 @@ def check(case: dict) -> None:
         if case["options"].get("max_grad_norm"):
             assert metrics["grad_norm"] > case["options"]["max_grad_norm"]  # so clipping did act
         assert metrics["entropy"] == pytest.approx(want["entropy"], rel=1e-9)
+        # the engine-vs-learner mismatch: over every rank's rows (gathered), or the recomputed
+        # proximal log-probs' over the whole batch (TIS)
+        mismatch = sorted(k for k in want if k.startswith("mismatch/"))
+        assert mismatch and sorted(k for k in metrics if k.startswith("mismatch/")) == mismatch
+        for k in mismatch:
+            assert metrics[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
+        if "correction" in case["options"]:  # TIS weights pi_proximal/pi_sampling, averaged as in one process
+            for k in ("policy_loss/is_weight", "policy_loss/is_truncated"):
+                assert metrics[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
     own0, own1 = rank0["own"], rank1["own"]
     assert all(torch.equal(own0[n], own1[n]) for n in own0)  # every rank applied the identical update
     # resumed from the state after step 1 (models, optimizer states, a following reference), a

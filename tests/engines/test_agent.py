@@ -26,7 +26,7 @@ def test_loads_lazily_and_reprs_short():
 
 
 def test_bad_arguments_name_the_valid_choices():
-    with pytest.raises(UnknownNameError, match="valid: sglang, transformers"):
+    with pytest.raises(UnknownNameError, match="valid: mojo, sglang, transformers"):
         Agent("tiny-random", engine="vllm")
     with pytest.raises(ConfigError, match="head"):
         Agent("tiny-random", head="q")
@@ -121,7 +121,7 @@ def test_save_pretrained_merges_lora(tmp_path):
 
 
 def test_engine_is_made_on_first_use_from_the_registry():
-    agent = Agent("tiny-random", engine_options=dict(max_batch=8))
+    agent = Agent("tiny-random", engine="transformers", engine_options=dict(max_batch=8))
     assert isinstance(agent.engine, TransformersEngine) and agent.engine.max_batch == 8
     assert agent.engine is agent.engine
     gen = asyncio.run(agent.engine.generate(agent.tokenizer.encode("hi"), SamplingParams(max_new_tokens=4, seed=0)))
@@ -129,6 +129,17 @@ def test_engine_is_made_on_first_use_from_the_registry():
     remote = Agent("tiny-random", engine="sglang", engine_options=dict(url="http://sglang:30000"))
     assert isinstance(remote.engine, SGLangEngine) and remote.engine.export_weights == remote.save_pretrained
     assert not remote.loaded  # making the client does not load weights
+
+
+def test_default_engine_is_mojo_where_it_runs_and_transformers_elsewhere(recwarn):
+    from materl.agent import DEFAULT_ENGINE
+    from materl.engines.mojo_engine import MojoEngine, mojo_available
+
+    agent = Agent("tiny-random")
+    assert DEFAULT_ENGINE == "mojo" and repr(agent) == "Agent('tiny-random')"
+    expected = MojoEngine if mojo_available()[0] else TransformersEngine
+    assert type(agent.engine) is expected
+    assert not [w for w in recwarn if "mojo" in str(w.message)]  # not asked for: no fallback warning
 
 
 def test_chat_ids_render_the_template_as_ints():

@@ -1,12 +1,14 @@
 """The engine contract (materl/engines/base.py), checked on every engine.
 
-The in-process engine runs on the tiny random Llama. The SGLang parametrisation runs only when
+The in-process engines (transformers, mojo) run on the tiny random Llama; the Mojo engine's
+parametrisation is skipped without the mojo package. The SGLang parametrisation runs only when
 MATERL_SGLANG_URL points at a server; MATERL_SGLANG_MODEL names the model (or HF folder) that
 server was launched with (default: smollm2-135m-instruct), used here for tokenizing and for
 the teacher-forced reference log-probs.
 """
 
 import asyncio
+import importlib.util
 import os
 
 import anyio
@@ -17,13 +19,28 @@ import torch
 from materl.engines.base import Engine, SamplingParams
 from materl.engines.models import load_model
 from materl.errors import ConfigError, EngineError
+from materl.kernels import loader
 
 SGLANG_URL = os.environ.get("MATERL_SGLANG_URL")
+HAS_MOJO = importlib.util.find_spec("mojo") is not None and not loader.disabled()
+MOJO = pytest.param("mojo", marks=[pytest.mark.mojo, pytest.mark.skipif(not HAS_MOJO, reason="needs the mojo package")])
 ENGINE_KINDS = [
     "transformers",
+    MOJO,
     pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.skipif(
         not SGLANG_URL, reason="set MATERL_SGLANG_URL to a running SGLang server")]),
 ]
+IN_PROCESS = ["transformers", MOJO]
+
+
+def in_process_engine(kind, model, tokenizer, **options):
+    if kind == "mojo":
+        from materl.engines.mojo_engine import MojoEngine
+
+        return MojoEngine(model, tokenizer, **options)
+    from materl.engines.transformers_engine import TransformersEngine
+
+    return TransformersEngine(model, tokenizer, **options)
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +52,9 @@ def tiny():
 @pytest.fixture(params=ENGINE_KINDS)
 def setup(request, tiny):
     """(engine, model, tokenizer): the model is the one the engine samples from."""
-    if request.param == "transformers":
-        from materl.engines.transformers_engine import TransformersEngine
-
+    if request.param in ("transformers", "mojo"):
         model, tokenizer = tiny
-        return TransformersEngine(model, tokenizer), model, tokenizer
+        return in_process_engine(request.param, model, tokenizer), model, tokenizer
     from materl.engines.sglang_engine import SGLangEngine
 
     model, tokenizer = load_model(os.environ.get("MATERL_SGLANG_MODEL", "smollm2-135m-instruct"))
@@ -138,14 +153,15 @@ async def test_stop_token_and_max_new_tokens(setup):
 # ----------------------------------------------------------------------------- in-process only
 
 
-@pytest.fixture
-def engine(tiny):
+@pytest.fixture(params=IN_PROCESS)
+def engine(request, tiny):
+    return in_process_engine(request.param, *tiny, max_batch=64, batch_window_s=0.005)
+
+
+async def test_concurrent_requests_are_coalesced_into_fewer_batches(tiny):
     from materl.engines.transformers_engine import TransformersEngine
 
-    return TransformersEngine(*tiny, max_batch=64)
-
-
-async def test_concurrent_requests_are_coalesced_into_fewer_batches(engine, tiny):
+    engine = TransformersEngine(*tiny, max_batch=64)
     tok = tiny[1]
     prompts = [tok.encode(f"request number {i}" + "!" * i) for i in range(16)]
     gens = await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=8, seed=i)) for i, p in enumerate(prompts)])
@@ -154,9 +170,12 @@ async def test_concurrent_requests_are_coalesced_into_fewer_batches(engine, tiny
     assert [g.metadata["batch_size"] for g in gens] == [16] * 16
 
 
-async def test_batches_close_when_the_loop_has_nothing_ready_not_by_the_clock(engine, tiny):
+async def test_batches_close_when_the_loop_has_nothing_ready_not_by_the_clock(tiny):
     """Requests reached after a few event-loop passes join the batch; one that waits on I/O (a
     tool call; here a real sleep) does not, and forms the next batch."""
+    from materl.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(*tiny, max_batch=64)
     async def after_passes(i: int, passes: int):
         for _ in range(passes):
             await anyio.lowlevel.checkpoint()
@@ -171,15 +190,21 @@ async def test_batches_close_when_the_loop_has_nothing_ready_not_by_the_clock(en
     assert engine.stats.batches == 2
 
 
-async def test_max_batch_caps_a_batch(tiny):
+@pytest.mark.parametrize("kind", IN_PROCESS)
+async def test_max_batch_caps_a_batch(tiny, kind):
+    engine = in_process_engine(kind, *tiny, max_batch=4)
+    gens = await asyncio.gather(*[engine.generate([104 + i], SamplingParams(max_new_tokens=2, seed=i))
+                                  for i in range(10)])
+    assert engine.stats.largest_batch <= 4  # 10 requests, at most 4 decoding together
+    assert max(g.metadata["batch_size"] for g in gens) <= 4
+    if kind == "transformers":
+        assert engine.stats.batches >= 3
+
+
+async def test_event_loop_keeps_running_while_a_batch_decodes(tiny):
     from materl.engines.transformers_engine import TransformersEngine
 
-    engine = TransformersEngine(*tiny, max_batch=4)
-    await asyncio.gather(*[engine.generate([104 + i], SamplingParams(max_new_tokens=2, seed=i)) for i in range(10)])
-    assert engine.stats.largest_batch <= 4 and engine.stats.batches >= 3  # 10 requests, 4 a batch
-
-
-async def test_event_loop_keeps_running_while_a_batch_decodes(engine, tiny):
+    engine = TransformersEngine(*tiny, max_batch=64, batch_window_s=0.005)
     model = tiny[0]
     state = {"ticks": 0, "at_first_forward": None}
 

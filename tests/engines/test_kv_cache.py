@@ -4,6 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from materl.engines.hf import cache_kwargs
 from materl.engines.kv_cache import GrowingLayer, decode_cache
 from materl.engines.models import load_model
 
@@ -11,7 +12,7 @@ from materl.engines.models import load_model
 def _decode(lm, cache, prompt_ids, steps, keep_after=None):
     """Greedy decode from ``prompt_ids``; after step ``keep_after[0]`` keep rows ``keep_after[1]``."""
     mask = torch.ones_like(prompt_ids)
-    out = lm(input_ids=prompt_ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = lm(input_ids=prompt_ids, attention_mask=mask, use_cache=True, **cache_kwargs(lm, cache))
     logits, seen = out.logits[:, -1], [out.logits[:, -1]]
     for t in range(steps):
         tokens = logits.argmax(-1)
@@ -21,7 +22,7 @@ def _decode(lm, cache, prompt_ids, steps, keep_after=None):
             mask, tokens = mask[index], tokens[index]
         mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=-1)
         out = lm(input_ids=tokens[:, None], attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1,
-                 past_key_values=cache, use_cache=True)
+                 use_cache=True, **cache_kwargs(lm, cache))
         logits = out.logits[:, -1]
         seen.append(logits)
     return seen

@@ -32,9 +32,9 @@ def count_builds(monkeypatch):
     calls = []
     real = loader._build
 
-    def counting(stem, source, out, origin):
+    def counting(stem, source, out, origin, include):
         calls.append(out)
-        return real(stem, source, out, origin)
+        return real(stem, source, out, origin, include)
 
     monkeypatch.setattr(loader, "_build", counting)
     return calls

@@ -1,0 +1,49 @@
+"""Building the rollout side of a run: its weight store and workers.
+
+    store, workers = rollout_side(compiled)                         # one in-process worker
+    store, workers = rollout_side(compiled, workers=4)              # 4 Ray actors (local cluster)
+    store, workers = rollout_side(compiled, workers=8, ray_address="ray://head:10001")
+
+In process, with ``max_staleness=0``, the worker samples with the learner's own agents (lock-step,
+no copy). With ``max_staleness > 0`` it samples with a copy of each trainable rollout agent,
+which follows the published versions, so the learner can update its weights meanwhile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from materl.distributed.versions import InProcessStore, WeightStore
+from materl.distributed.workers import LocalWorker, mirrored_agents
+
+
+def rollout_copy(agent: Any, *, deterministic: bool) -> Any:
+    """A frozen copy of ``agent`` for sampling (its own weights and engine). In deterministic mode
+    the transformers engine decodes one request at a time: its row arithmetic depends on the
+    batch, and batches depend on when tool results arrive (the Mojo engine's does not)."""
+    clone = agent.copy(trainable=False)
+    clone.policy_version = agent.policy_version
+    if deterministic and clone.engine_name == "transformers":
+        clone.engine_options = {**clone.engine_options, "max_batch": 1}
+    return clone
+
+
+def in_process_worker(compiled: Any, store: WeightStore) -> LocalWorker:
+    o, ctx = compiled.options, compiled.context()
+    agents = dict(compiled.agents)
+    if o.max_staleness > 0:
+        for name in mirrored_agents(agents, ctx):
+            agents[name] = rollout_copy(agents[name], deterministic=o.deterministic)
+    return LocalWorker(ctx, agents, store=store, partial_rollouts=o.partial_rollouts, name="in-process")
+
+
+def rollout_side(compiled: Any, *, workers: int = 0, ray_address: str | None = None,
+                 transport: str = "object_store", folder: str | None = None) -> tuple[WeightStore, list[Any]]:
+    """The weight store and the rollout workers: ``workers=0`` one in-process worker; ``N >= 1``
+    N Ray actors (``transport``: ``"object_store"``, or ``"disk"`` in ``folder``)."""
+    if workers == 0:
+        store = InProcessStore()
+        return store, [in_process_worker(compiled, store)]
+    from materl.distributed.ray_workers import ray_workers
+
+    return ray_workers(compiled, workers, ray_address=ray_address, transport=transport, folder=folder)

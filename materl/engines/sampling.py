@@ -1,0 +1,155 @@
+"""What every in-process engine shares: request checks, seeds, stop rules and per-row sampling.
+
+    ids = check_request(prompt_ids, params)          # ConfigError / EngineError on bad input
+    rule = StopRule(params, eos, tokenizer)          # eos ids, stop_token_ids, stop strings, length
+    tokens_B, logprobs_B = sample_tokens(logits_B_V, uniform_B, temperature_B=..., ...)
+
+The transformers engine and the Mojo engine both sample through ``sample_tokens`` with one
+uniform per row drawn from the request's own ``torch.Generator``, so given the same logits they
+pick the same tokens, and a row's draw depends only on its own logits and its own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from materl.engines.base import SamplingParams
+from materl.engines.hf import causal_lm_of
+from materl.errors import ConfigError, EngineError
+
+
+def check_request(prompt_ids, params: SamplingParams) -> list[int]:
+    """The prompt as a list of ints, after checking it and ``params``."""
+    if not isinstance(params, SamplingParams):
+        raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+    ids = [int(t) for t in prompt_ids]
+    if not ids:
+        raise EngineError("generate() needs at least one prompt token; got an empty prompt")
+    if params.max_new_tokens < 0:
+        raise ConfigError(f"max_new_tokens must be >= 0, got {params.max_new_tokens}")
+    if params.temperature < 0:
+        raise ConfigError(f"temperature must be >= 0 (0 = greedy), got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < 0:
+        raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    return ids
+
+
+def request_seed(params: SamplingParams) -> int:
+    """The request's own seed, or one drawn from torch's global generator (so an unseeded run is
+    still reproducible under ``torch.manual_seed``)."""
+    if params.seed is not None:
+        return int(params.seed)
+    return int(torch.randint(0, 2**62, ()).item())
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    """The model's generation-config eos ids and the tokenizer's eos id."""
+    ids: set[int] = set()
+    config = getattr(causal_lm_of(model), "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    ids.add(tokenizer.eos_token_id)
+    ids.discard(None)
+    return frozenset(ids)
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """When a row stops: an eos id or one of ``stop_token_ids`` ("stop"), a stop string in the
+    decoded tail ("stop_string"), ``max_new_tokens`` ("length"); checked in that order after
+    every sampled token (the stopping token is kept)."""
+
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    tail_tokens: int  # how many trailing tokens to decode when checking stop strings
+
+    @classmethod
+    def of(cls, params: SamplingParams, eos: frozenset[int]) -> "StopRule":
+        longest = max((len(s) for s in params.stop_strings), default=0)
+        return cls(params, eos | frozenset(params.stop_token_ids), 4 * longest + 4)
+
+    def reason(self, ids: list[int], tokenizer) -> str | None:
+        """Why generation stops after ``ids`` (the tokens sampled so far), or None."""
+        if ids[-1] in self.stop_ids:
+            return "stop"
+        if self.params.stop_strings:
+            tail = tokenizer.decode(ids[-self.tail_tokens:], skip_special_tokens=False)
+            if any(s in tail for s in self.params.stop_strings):
+                return "stop_string"
+        if len(ids) >= self.params.max_new_tokens:
+            return "length"
+        return None
+
+
+def sample_rows(logits_B_V: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+                ) -> tuple[list[int], list[float]]:
+    """One token and its log-prob per row, each row with its own params and generator."""
+    dev = logits_B_V.device
+    tokens, logprobs = sample_tokens(
+        logits_B_V,
+        torch.tensor([torch.rand((), generator=g).item() for g in generators], device=dev),
+        temperature_B=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev),
+        top_k_B=torch.tensor([p.top_k for p in params], device=dev),
+        top_p_B=torch.tensor([p.top_p for p in params], device=dev),
+        greedy_B=torch.tensor([p.greedy or p.temperature == 0 for p in params], device=dev),
+    )
+    return tokens.tolist(), logprobs.tolist()
+
+
+def top_k_top_p_filter(scaled_B_V: Tensor, top_k_B: Tensor, top_p_B: Tensor) -> Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf; shapes (B, V), (B,), (B,).
+
+    Order as HF ``generate``, vLLM and SGLang: top-k first, then top-p on the renormalised
+    top-k distribution. Top-p keeps the smallest prefix of tokens (by probability, descending)
+    whose mass reaches p: token j survives iff the mass of strictly more probable tokens is
+    < p, so the most probable token always survives. ``top_k <= 0`` and ``top_p >= 1`` are off.
+    (HF: ``TopKLogitsWarper`` + ``TopPLogitsWarper``, which removes ascending cumsum <= 1 - p.)
+    """
+    vocab = scaled_B_V.size(-1)
+    sorted_B_V, order_B_V = scaled_B_V.sort(dim=-1, descending=True)
+    ranks_V = torch.arange(vocab, device=scaled_B_V.device)
+    k_B = torch.where(top_k_B > 0, top_k_B.clamp(max=vocab), torch.full_like(top_k_B, vocab))
+    remove_B_V = ranks_V[None, :] >= k_B[:, None]
+    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
+    probs_B_V = sorted_B_V.softmax(dim=-1)
+    mass_before_B_V = probs_B_V.cumsum(dim=-1) - probs_B_V
+    threshold_B = torch.where(top_p_B < 1.0, top_p_B, torch.full_like(top_p_B, float("inf")))
+    remove_B_V = remove_B_V | (mass_before_B_V >= threshold_B[:, None])
+    sorted_B_V = sorted_B_V.masked_fill(remove_B_V, float("-inf"))
+    return torch.empty_like(scaled_B_V).scatter_(-1, order_B_V, sorted_B_V)
+
+
+def sample_tokens(
+    logits_B_V: Tensor,
+    uniform_B: Tensor,
+    *,
+    temperature_B: Tensor,
+    top_k_B: Tensor,
+    top_p_B: Tensor,
+    greedy_B: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row and return ``(tokens_B, logprobs_B)``.
+
+    logprob_i = log_softmax(logits_i / T_i)[token_i]   (no top-k/top-p renormalisation; this is
+    what the learner recomputes; T_i must be > 0: greedy rows pass their temperature or 1).
+    Sampling is inverse-CDF with one uniform per row, u_i in [0, 1):
+    token_i = min{j : cdf_i[j] > u_i * cdf_i[V-1]} over the filtered distribution, so a row's
+    draw depends only on its own logits and its own generator. Greedy rows take argmax(logits).
+    (HF ``generate`` draws with ``torch.multinomial`` from one global generator; vLLM/SGLang
+    report the same un-renormalised log-probs by default.)
+    """
+    scaled_B_V = logits_B_V.float() / temperature_B[:, None]
+    logprobs_B_V = scaled_B_V.log_softmax(dim=-1)
+    needs_filter = bool(((top_k_B > 0) | (top_p_B < 1.0)).any())
+    filtered_B_V = top_k_top_p_filter(scaled_B_V, top_k_B, top_p_B) if needs_filter else scaled_B_V
+    cdf_B_V = filtered_B_V.softmax(dim=-1).cumsum(dim=-1)
+    target_B1 = (uniform_B.to(cdf_B_V) * cdf_B_V[:, -1])[:, None]
+    sampled_B = torch.searchsorted(cdf_B_V, target_B1, right=True).squeeze(-1)
+    sampled_B = sampled_B.clamp_(max=logits_B_V.size(-1) - 1)
+    tokens_B = torch.where(greedy_B, logits_B_V.argmax(dim=-1), sampled_B)
+    return tokens_B, logprobs_B_V.gather(-1, tokens_B[:, None]).squeeze(-1)
