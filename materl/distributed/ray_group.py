@@ -47,7 +47,7 @@ Agents = Mapping[str, AgentSpec] | Callable[[], Mapping[str, Any]]
 GRACE_S = 10.0  # after one rank fails, how long the others get to report why
 
 
-def _ray():
+def require_ray():
     """The ``ray`` module, or ``ExtraNotInstalledError`` naming the extra that installs it."""
     try:
         import ray
@@ -70,7 +70,7 @@ class _Rank:
 
     def address(self) -> tuple[str, int]:
         """This node's address and a free port (rank 0's are the group's rendezvous)."""
-        return _ray().util.get_node_ip_address(), free_port()
+        return require_ray().util.get_node_ip_address(), free_port()
 
     def setup(self, rank: int, world_size: int, master: tuple[str, int], options: CompileOptions, agents: Any,
               strategy: str, gpu: bool, timeout_s: float) -> int:
@@ -81,8 +81,8 @@ class _Rank:
         self.learner = DistributedLearner(built, options, strategy=strategy, device=device)
         return os.getpid()
 
-    def step(self, episodes: list[Episode], ctx: StepContext) -> StepResult:
-        return self.learner.step(episodes, ctx)
+    def step(self, episodes: list[Episode], ctx: StepContext, lrs: Mapping[str, list[float]] | None = None) -> StepResult:
+        return self.learner.step(episodes, ctx, lrs)
 
     def state(self) -> LearnerState | None:
         return self.learner.state()
@@ -98,7 +98,7 @@ class LearnerGroup:
     def __init__(self, world_size: int, options: CompileOptions, *, agents: Agents, strategy: str = "fsdp2",
                  num_cpus: float = 1, num_gpus: float = 0, ray_address: str | None = None,
                  actor_options: Mapping[str, Any] | None = None, timeout_s: float = 600.0):
-        ray = _ray()
+        ray = require_ray()
         _check_arguments(world_size, agents, strategy)
         if not ray.is_initialized():
             ray.init(address=ray_address)
@@ -115,11 +115,13 @@ class LearnerGroup:
         self._all("set up", lambda a, r: a.setup.remote(r, world_size, master, options, agents, strategy,
                                                           num_gpus > 0, timeout_s))
 
-    def step(self, episodes: list[Episode], ctx: StepContext) -> StepResult:
-        """One learner step on every rank; rank 0's ``StepResult`` (with the new weights)."""
-        ray = _ray()
+    def step(self, episodes: list[Episode], ctx: StepContext,
+             lrs: Mapping[str, list[float]] | None = None) -> StepResult:
+        """One learner step on every rank; rank 0's ``StepResult`` (with the new weights).
+        ``lrs``: the optimizers' learning rates for this step (``DistributedLearner.step``)."""
+        ray = require_ray()
         eps, context = ray.put(episodes), ray.put(ctx)  # stored once; each actor reads them
-        results = self._all(f"the step to version {self.version + 1}", lambda a, r: a.step.remote(eps, context))
+        results = self._all(f"the step to version {self.version + 1}", lambda a, r: a.step.remote(eps, context, lrs))
         self.version = results[0].version
         return results[0]
 
@@ -130,20 +132,20 @@ class LearnerGroup:
 
     def load_state(self, state: LearnerState) -> None:
         """Every rank loads ``state`` (e.g. the last checkpoint's); the next step is version + 1."""
-        ref = _ray().put(state)
+        ref = require_ray().put(state)
         self._all("loading a state", lambda a, r: a.load_state.remote(ref))
         self.version = state.version
 
     def shutdown(self) -> None:
         """Kill every rank's actor (their processes end); the group cannot be used after this."""
-        ray = _ray()
+        ray = require_ray()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
 
     # -- every rank at once, failing as one --
     def _all(self, what: str, call) -> list:
-        ray = _ray()
+        ray = require_ray()
         if not self.actors:
             why = f"after {self.failure}" if self.failure else "by shutdown()"
             raise LearnerGroupClosedError(f"this learner group was stopped {why}; start a new LearnerGroup (and "
@@ -161,7 +163,7 @@ class LearnerGroup:
 
     def _fail(self, what: str, failures: dict, pending: dict) -> None:
         """Collect the other ranks' outcomes for a moment, kill the group, raise naming the rank."""
-        ray = _ray()
+        ray = require_ray()
         if pending:
             ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=GRACE_S)
             for ref in ready:
