@@ -93,7 +93,6 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
             if agent.trainable:
                 agent.policy_version = run.start
         restore_versions(store, load_tensors(ckpt, VERSIONS))
-    run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
     run.logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
                            mlflow=mlflow, config=config)
     run.eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
@@ -108,10 +107,11 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
         return states.pop(k) if k in states else sampler.state_dict()
 
-    pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
-                        max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
-                        progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
-    try:
+    try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
+        run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
+        pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
+                            max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
+                            progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
         compiled.call_blocking(run.loop, pipeline, data_position)
     finally:
         run.logger.close()

@@ -40,7 +40,8 @@ def run(tmp_path, name, *, workers, ranks, steps=3):
     before = {n: p.detach().clone() for n, p in step.agents["policy"].model.named_parameters()}
     try:
         out = train(step, arithmetic_rows(16, seed=1), steps=steps, batch_size=2, run_dir=tmp_path / name,
-                    progress=False, tensorboard=False, workers=workers, learner_ranks=ranks, learner_strategy="ddp")
+                    progress=False, tensorboard=False, workers=workers, learner_ranks=ranks, learner_strategy="ddp",
+                    lr_schedule="linear")
         return out["history"], before, {n: p.detach().clone() for n, p in step.agents["policy"].model.named_parameters()}
     finally:
         step.close()
@@ -50,10 +51,12 @@ def test_rollout_actors_and_learner_ranks_make_the_one_process_run(tmp_path, clu
     """Deterministic mode, S=1: 3 asynchronous steps with calculator calls over MCP on 2 Ray
     rollout actors and 2 gloo learner ranks (DDP) give the in-process, one-learner run: the same
     batches (versions, rewards, tool calls) and, float32 gradients being summed in another order,
-    the same losses and weights to float32 precision."""
+    the same losses and weights to float32 precision. A linear LR schedule runs on the driver:
+    the ranks learn with its rates (2/3 and 1/3 of the first at steps 2 and 3)."""
     local, start, w_local = run(tmp_path, "local", workers=0, ranks=1)
     stack, _, w_stack = run(tmp_path, "stack", workers=2, ranks=2)
     assert [h["step"] for h in stack] == [1, 2, 3]
+    assert [h["lr"] for h in stack] == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
     assert [[h[k] for k in SAME] for h in stack] == [[h[k] for k in SAME] for h in local]
     assert [h["async/batch_version"] for h in stack] == [0.0, 0.0, 1.0]  # batch k sampled from version max(0, k-1)
     assert all(h["tool_calls"] == 1.0 and h["episodes"] == 4.0 and h["ranks"] == 2.0 for h in stack)
@@ -72,7 +75,8 @@ def test_rollout_actors_and_learner_ranks_make_the_one_process_run(tmp_path, clu
 def materl_train(run_dir: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "materl.cli", "train", "examples/configs/tiny_grpo.yaml", "--set",
-         f"train.run_dir={run_dir}", "--set", "train.save_every=1", "--set", "distributed.learner_ranks=2", *extra],
+         f"train.run_dir={run_dir}", "--set", "train.save_every=1", "--set", "distributed.learner_ranks=2",
+         "--set", "distributed.learner_strategy=fsdp2", *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -81,7 +85,7 @@ def rank_pids(pid: int) -> list[int]:
 
 
 def test_a_killed_learner_rank_stops_materl_train_and_the_checkpoint_resumes(tmp_path):
-    """``materl train`` with 2 learner ranks: kill -9 one rank's process once step 2's checkpoint
+    """``materl train`` with 2 FSDP2 learner ranks: kill -9 one rank's process once step 2's checkpoint
     is written; the command exits 2 naming the rank and its pid, the last checkpoint loads, and
     ``train.resume`` goes on from it to the end."""
     run_dir = tmp_path / "run"
@@ -106,7 +110,8 @@ def test_a_killed_learner_rank_stops_materl_train_and_the_checkpoint_resumes(tmp
     assert 2 <= last < 40
     resumed = subprocess.run(
         [sys.executable, "-m", "materl.cli", "train", "examples/configs/tiny_grpo.yaml", "--set", f"train.run_dir={run_dir}",
-         "--set", "train.resume=true", "--set", f"train.steps={last + 1}", "--set", "distributed.learner_ranks=2"],
+         "--set", "train.resume=true", "--set", f"train.steps={last + 1}", "--set", "distributed.learner_ranks=2",
+         "--set", "distributed.learner_strategy=fsdp2"],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout)["final"]["step"] == last + 1
