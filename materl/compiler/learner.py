@@ -2,17 +2,25 @@
 micro-batches of forward/backward, gradient clipping and an optimizer step per mini-batch.
 
 Metrics an implementation returns per micro-batch are averaged over the update; whole-batch
-metrics (the engine-vs-learner mismatch) go in ``batch_metrics`` and are reported as set.
+metrics (the engine-vs-learner mismatch) go in ``batch_metrics`` and are reported as set, or are
+computed after the loop from what micro-steps ``gather`` (over every process's rows).
 
 Loss aggregations get the mini-batch's global token/sequence count as their denominator, so
 summing micro-batch losses equals the mini-batch loss exactly (gradient accumulation is exact).
 What each node does here is its implementation's ``prepare``/``learn`` (``materl.compiler.kinds``).
+
+Which rows of a mini-batch this process computes, the denominators, how forwards through
+trainable weights run and how gradients meet are a ``Partition``: ``WholeBatch`` (one process,
+every row) by default; ``materl.distributed`` gives each rank its share of the rows, with the
+same global denominators, so the ranks' summed gradients are the whole mini-batch's.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -26,18 +34,74 @@ from materl.compiler.spec import Role, output_of
 from materl.errors import CompileError
 from materl.graph.node import Node, ref_node
 
+T = TypeVar("T")
+Denominators = dict[str, dict[str, float]]  # completion set -> {"tokens": n, "seqs": n}
+Micro = tuple[Tensor, float]  # (rows, weight): weight 0.0 runs the rows only to keep ranks in step
+
+
+class Partition(Protocol):
+    """How one process takes part in each mini-batch update."""
+
+    def micro_batches(self, rows: Tensor, micro: int) -> list[Micro]:
+        """The micro-batches this process runs for mini-batch ``rows`` (global row indices)."""
+
+    def denominators(self, learner: Learner, rows: Tensor) -> Denominators:
+        """The token and sequence counts of the WHOLE mini-batch ``rows`` (every process's)."""
+
+    def forward(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``, a prepare-time forward through a trainable agent's weights."""
+
+    def forward_backward(self, fn: Callable[[], tuple[Tensor, dict]], *, weight: float,
+                         last: bool) -> tuple[Tensor, dict]:
+        """Run micro-step ``fn`` and backpropagate ``weight * loss``; ``last``: the mini-batch's
+        last micro-step here (gradients may be reduced across processes then)."""
+
+    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        """This process's metric sums -> the sums over every process."""
+
+    def gather(self, scratch: dict[str, list]) -> dict[str, list]:
+        """This process's gathered items per key -> every process's, in rank order."""
+
+
+class WholeBatch:
+    """One process computes every row: the single-process learner."""
+
+    def micro_batches(self, rows: Tensor, micro: int) -> list[Micro]:
+        return [(rows[i:i + micro], 1.0) for i in range(0, len(rows), micro)]
+
+    def denominators(self, learner: Learner, rows: Tensor) -> Denominators:
+        return learner.denominators(rows)
+
+    def forward(self, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def forward_backward(self, fn, *, weight: float, last: bool) -> tuple[Tensor, dict]:
+        loss, metrics = fn()
+        (loss * weight if weight != 1.0 else loss).backward()
+        return loss, metrics
+
+    def reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        return sums
+
+    def gather(self, scratch: dict[str, list]) -> dict[str, list]:
+        return scratch
+
 
 class Learner:
     """One batch of episodes through prepare and the update loop."""
 
-    def __init__(self, run: Run, episodes: list[Episode], optimizer_step: Callable[[], float]):
+    def __init__(self, run: Run, episodes: list[Episode], optimizer_step: Callable[[], float], *,
+                 partition: Partition | None = None):
         self.run, self.episodes, self.plan = run, episodes, run.plan
         self.optimizer_step = optimizer_step
+        self.partition = partition or WholeBatch()
         self.seq: dict[tuple[str, str], SeqBatch] = {}
         self.timings: dict[str, float] = {}
         self.updates = 0  # optimizer steps taken on this batch: 0 while the weights are the step's start
         self.batch_metrics: dict[str, float] = {}  # whole-batch metrics set by implementations, not averaged
-        self.scratch: dict[str, list] = {}  # what implementations gather across micro-batches
+        self.scratch: dict[str, list] = {}  # what implementations gather across micro-batches (``gather``)
+        self.finishers: dict[str, Callable[[list], dict[str, float]]] = {}
+        self.padding = False  # the micro-step runs only to keep ranks in step (weight 0): gather nothing
 
     # -- batch tensors --
     def seq_batch(self, node: Node) -> SeqBatch:
@@ -71,8 +135,9 @@ class Learner:
         for name in plan.order:
             role = plan.role(name)
             if role is Role.FORWARD and (name in plan.prepare or name in plan.live):
-                impl = plan.impl(name)
-                out = await compute.acall(impl.prepare, self, plan.nodes[name], live=name in plan.live)
+                impl, node = plan.impl(name), plan.nodes[name]
+                run = self.partition.forward if self.run.agent(node).trainable else _call
+                out = await compute.acall(run, partial(impl.prepare, self, node, live=name in plan.live))
                 for ep, row in zip(self.episodes, out):
                     ep.store(name, row)
             elif name in plan.prepare:
@@ -80,7 +145,7 @@ class Learner:
                     ep.store(name, value)
 
     # -- update --
-    def micro_step(self, idx: Tensor, denoms: dict[str, dict[str, float]]) -> tuple[Tensor, dict]:
+    def micro_step(self, idx: Tensor, denoms: Denominators) -> tuple[Tensor, dict]:
         """Forward the live nodes for rows ``idx`` and return the weighted loss and metrics."""
         plan = self.plan
         sub = [self.episodes[i] for i in idx.tolist()]
@@ -108,33 +173,57 @@ class Learner:
         return total, metrics
 
     def run_updates(self) -> dict[str, float]:
-        o = self.run.options
+        o, part = self.run.options, self.partition
         n = len(self.episodes)
         mini = o.mini_batch_size or n
         micro = o.micro_batch_size or mini
         gen = torch.Generator().manual_seed(o.seed + self.run.ctx.step)
         sums: dict[str, float] = {}
-        count = 0
+        count, grad_norm = 0, 0.0
         t0 = time.perf_counter()
         for _ in range(o.epochs):
             order = torch.randperm(n, generator=gen) if o.shuffle else torch.arange(n)
             for start in range(0, n, mini):
                 rows = order[start:start + mini]
-                denoms = self.denominators(rows)
-                for mstart in range(0, len(rows), micro):
-                    idx = rows[mstart:mstart + micro]
-                    loss, metrics = self.micro_step(idx, denoms)
-                    loss.backward()
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + v * (len(idx) / len(rows) if not k.startswith("loss") else 1.0)
-                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.optimizer_step()
+                denoms = part.denominators(self, rows)
+                micros = part.micro_batches(rows, micro)
+                for k, (idx, weight) in enumerate(micros):
+                    self.padding = not weight
+                    step = partial(self.micro_step, idx, denoms)
+                    loss, metrics = part.forward_backward(step, weight=weight, last=k == len(micros) - 1)
+                    if weight:
+                        self.accumulate(sums, metrics, loss, share=len(idx) / len(rows))
+                grad_norm += self.optimizer_step()
                 self.updates += 1
                 count += 1
+        self.padding = False
         self.timings["stage/learner"] = time.perf_counter() - t0
-        return {k: v / count for k, v in sums.items()} | self.batch_metrics
+        sums = part.reduce(sums)
+        sums["grad_norm"] = grad_norm
+        return {k: v / count for k, v in sums.items()} | self.finish_batch_metrics()
 
-    def denominators(self, rows: Tensor) -> dict[str, dict[str, float]]:
+    def gather(self, key: str, item: tuple, finish: Callable[[list[tuple]], dict[str, float]]) -> None:
+        """Keep ``item`` (e.g. a micro-batch's tensors) under ``key``; after the update loop
+        ``finish(items)`` over every process's items (rank order) gives whole-batch metrics."""
+        if not self.padding:
+            self.scratch.setdefault(key, []).append(item)
+            self.finishers[key] = finish
+
+    def finish_batch_metrics(self) -> dict[str, float]:
+        out = dict(self.batch_metrics)
+        for key, items in self.partition.gather(self.scratch).items():
+            out |= self.finishers[key](items)
+        return out
+
+    @staticmethod
+    def accumulate(sums: dict[str, float], metrics: dict[str, float], loss: Tensor, *, share: float) -> None:
+        """Add a micro-step's metrics (weighted by its share of the mini-batch's rows; losses,
+        already global-normalised, as they are) and its loss."""
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + v * (share if not k.startswith("loss") else 1.0)
+        sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+
+    def denominators(self, rows: Tensor) -> Denominators:
         """Global token and sequence counts of a mini-batch, per completion set."""
         out = {}
         for (_, comps_ref), sb in self.seq.items():
@@ -142,5 +231,9 @@ class Learner:
             out[comps_ref] = {"tokens": float(m.sum()), "seqs": float((m.sum(-1) > 0).sum())}
         return out
 
-    def counts_for(self, forward: Node, denoms: dict[str, dict[str, float]]) -> dict[str, float]:
+    def counts_for(self, forward: Node, denoms: Denominators) -> dict[str, float]:
         return denoms[self.sequence_refs(forward)[1]]
+
+
+def _call(fn: Callable[[], T]) -> T:
+    return fn()

@@ -17,6 +17,9 @@ is lock-step training, bit for bit ``Compiled.run`` per step.
   this from happening unless a worker fell behind.
 - Faults: a job whose worker dies is run again on another worker (``async/requeued``); the
   event is logged. A step whose episodes fail is judged by the compiled step's failure policy.
+- Learner: ``compiled.learn`` in this process, or ``learner=`` an object with the same
+  ``async learn(episodes, rollout_s=)`` (``ranks.RankedLearner``: R data-parallel ranks on Ray)
+  that leaves the new weights in ``compiled``'s agents and its step count, published from there.
 - Deterministic mode also routes group i to worker i mod N, so a re-run (or a resume from a
   checkpoint, which keeps the S versions the next batches need) repeats every batch.
 """
@@ -57,8 +60,9 @@ class Pipeline:
 
     def __init__(self, compiled: Any, workers: Sequence[Any], store: WeightStore, *, next_batch: Callable[[int], list],
                  max_staleness: int = 0, deterministic: bool = False,
-                 progress: Callable[[int, int], Callable[[Episode], None]] | None = None):
+                 progress: Callable[[int, int], Callable[[Episode], None]] | None = None, learner: Any = None):
         self.compiled, self.workers, self.store = compiled, list(workers), store
+        self.learner = learner if learner is not None else compiled
         self.next_batch = next_batch
         self.progress = progress  # (step, episodes) -> a callback per finished episode
         self.S = max_staleness
@@ -171,7 +175,7 @@ class Pipeline:
     async def _learn(self, k: int, batch: _Batch, *, waited_s: float) -> dict[str, float]:
         episodes = [e for g in sorted(batch.episodes) for e in batch.episodes[g]]
         stale = self._drop_stale(episodes)
-        metrics = await self.compiled.learn(episodes, rollout_s=batch.finished - batch.started)
+        metrics = await self.learner.learn(episodes, rollout_s=batch.finished - batch.started)
         publish_s = self.publish()
         self.store.retain(self.needed_versions(k + 1))
         del self.batches[k], self._created[k]

@@ -18,6 +18,7 @@ dataclasses. Deliberate difference: no interpolation, no config groups — one f
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -174,6 +175,8 @@ class DistributedSection(_Section):
     ray_address: str | None = None  # an existing cluster ("auto", "ray://head:10001"); None: a local one
     weight_transport: Literal["object_store", "disk"] = "object_store"
     correction: dict[str, Any] | None = None  # {method: tis|mis|decoupled, ...its keywords}: ml.with_off_policy_correction
+    learner_ranks: int = Field(default=1, ge=1)  # data-parallel learner ranks; >= 2: Ray actors (gloo/NCCL)
+    learner_strategy: Literal["ddp", "fsdp2"] = "ddp"  # how the ranks hold the model: replicas or shards
 
     @field_validator("correction")
     @classmethod
@@ -190,10 +193,22 @@ class DistributedSection(_Section):
 
     @model_validator(mode="after")
     def _needs_workers(self):
-        if self.ray_address is not None and self.workers == 0:
-            raise ValueError(f"ray_address={self.ray_address!r} is given but workers=0 (sampling in this process); "
-                             f"set workers >= 1 to use the cluster")
+        if self.ray_address is not None and self.workers == 0 and self.learner_ranks == 1:
+            raise ValueError(f"ray_address={self.ray_address!r} is given but workers=0 (sampling in this process) and "
+                             f"learner_ranks=1 (learning in this process); set workers >= 1 or learner_ranks >= 2 to "
+                             f"use the cluster")
+        for key, value in (("workers", self.workers), ("learner_ranks", self.learner_ranks)):
+            if value > (0 if key == "workers" else 1) and not _has_ray():
+                raise ValueError(f"{key}={value} runs on Ray, which is not installed: pip install \"materl[ray]\" "
+                                 f"(or set {key}={0 if key == 'workers' else 1} to stay in this process)")
         return self
+
+
+def _has_ray() -> bool:
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except ImportError:
+        return False
 
 
 PIPELINE_OPTIONS = ("max_staleness", "partial_rollouts", "deterministic")  # compile options the section sets

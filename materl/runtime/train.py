@@ -9,11 +9,14 @@ checkpoints (atomic, resumable bit-identically on CPU), logging.
 from __future__ import annotations
 
 import math
+import os
 import random
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import torch
 
@@ -50,7 +53,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
-          ) -> dict[str, Any]:
+          learner_ranks: int = 1, learner_strategy: str = "ddp") -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
     history, evaluations and the last checkpoint path.
 
@@ -65,7 +68,10 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     ``max_staleness=S > 0`` the rollouts of the next S batches run while the learner trains (the
     asynchronous pipeline); with S = 0 each step is ``compiled.run`` on its batch. ``workers``:
     0 samples in this process; N >= 1 in N Ray actors (``ray_address``: an existing cluster,
-    default a local one; ``weight_transport``: ``object_store`` or ``disk``)."""
+    default a local one; ``weight_transport``: ``object_store`` or ``disk``). ``learner_ranks``:
+    1 learns in this process; R >= 2 on R data-parallel learner ranks as Ray actors
+    (``learner_strategy``: ``ddp`` or ``fsdp2``; see ``materl.distributed.ranks``). A rank that
+    dies stops the run with ``LearnerRankError``; the last checkpoint is intact."""
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
     run = _Run(compiled, Path(run_dir), steps=steps, keep_last=keep_last, config=config)
@@ -101,13 +107,16 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
         return states.pop(k) if k in states else sampler.state_dict()
 
-    pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
-                        max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
-                        progress=lambda k, total: run.logger.step_bar(k + 1, total))
-    try:
+    try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
+        run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
+        pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
+                            max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
+                            progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
         compiled.call_blocking(run.loop, pipeline, data_position)
     finally:
         run.logger.close()
+        if run.ranks is not None:
+            run.ranks.shutdown()
         if workers:
             compiled.call_blocking(_close_workers, rollout_workers)
     return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
@@ -121,6 +130,7 @@ class _Run:
         self.compiled, self.run_dir, self.steps, self.keep_last, self.config = compiled, run_dir, steps, keep_last, config
         self.start, self.history, self.evals, self.last_ckpt = 0, [], [], None
         self.schedulers: dict = {}
+        self.ranks = None  # a RankedLearner when the learner runs on ranks
 
     async def loop(self, pipeline: Pipeline, data_position) -> None:
         if self.eval_every and self.start == 0:
@@ -136,8 +146,11 @@ class _Run:
         """Step ``k``'s bookkeeping: LR schedule, logs, samples, evaluation, checkpoint."""
         step = k + 1
         self.logger.end_step_bar(step)
-        for s in self.schedulers.values():
-            s.step()
+        with warnings.catch_warnings():  # with learner ranks the driver's optimizers do not step themselves
+            if self.ranks is not None:
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            for s in self.schedulers.values():
+                s.step()
         self._lrs[step] = self._lr()
         metrics["lr"] = self._lrs.pop(k)  # what this step trained with
         metrics["time/wall"], self._t0 = time.perf_counter() - self._t0, time.perf_counter()
@@ -177,6 +190,8 @@ class _Run:
         versions = {f"v{v}/{k}": t for v in pipeline.needed_versions(step) if v < step
                     for k, t in pipeline.store.get(v).items()}
         c = self.compiled
+        if self.ranks is not None:
+            await anyio.to_thread.run_sync(self.ranks.pull_state)  # the ranks' optimizer states
         self.last_ckpt = await compute.acall(
             save_checkpoint, self.run_dir, step, agents=c.agents, optimizers=c.optimizers, schedulers=self.schedulers,
             data_state={"sampler": sampler_state}, config=self.config, metrics=metrics, keep_last=self.keep_last,
@@ -194,6 +209,22 @@ def restore_versions(store, tensors: dict) -> None:
         by_version.setdefault(int(v[1:]), {})[rest] = value
     for v, state in sorted(by_version.items()):
         store.publish(v, state)
+
+
+def learner_side(compiled, ranks: int, *, strategy: str, ray_address: str | None):
+    """None (``compiled`` learns in this process) or a ``RankedLearner`` on ``ranks`` Ray actors,
+    started from ``compiled``'s weights and optimizer states (restored ones on resume)."""
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"learner_ranks must be an int >= 1, got {ranks!r}")
+    if ranks == 1:
+        return None
+    from materl.distributed.ranks import RankedLearner
+    from materl.distributed.ray_group import require_ray
+    from materl.distributed.ray_workers import connect
+
+    require_ray()  # ExtraNotInstalledError naming the extra, before anything starts
+    connect(ray_address, num_cpus=max(ranks + 2, os.cpu_count() or 1))  # no-op when the workers connected
+    return RankedLearner(compiled, ranks, strategy=strategy)
 
 
 async def _close_workers(workers) -> None:
@@ -224,7 +255,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
                        config=config_to_dict(cfg), workers=cfg.distributed.workers,
-                       ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport)
+                       ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport,
+                       learner_ranks=cfg.distributed.learner_ranks, learner_strategy=cfg.distributed.learner_strategy)
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}

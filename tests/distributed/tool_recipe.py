@@ -12,7 +12,10 @@ from materl.rollout.episode import StepResult
 from materl.rollout.types import ToolCall
 
 
-def calculator_recipe(toolbox, *, delay_s: float = 0.0, expression: str = "6 * 7"):
+def calculator_recipe(toolbox, *, delay_s: float = 0.0, expression: str = "6 * 7", diversity: float = 0.0):
+    """``diversity``: the weight of a diversity reward term (episodes of a group then differ in
+    reward, so advantages and gradients are not zero)."""
+
     @ml.op
     async def call_calculator(step) -> {"step": StepResult}:
         await anyio.sleep(delay_s)
@@ -28,6 +31,8 @@ def calculator_recipe(toolbox, *, delay_s: float = 0.0, expression: str = "6 * 7
         turn_2 = ml.generate_step(policy, turn_1.history, results, tools=toolbox, name="turn_2")
         rollout = ml.structure_rollout(turn_2, name="rollout")
         rewards = ml.reward("tool_usage", rollout=rollout) + ml.reward("length", rollout=rollout, target=4)
+        if diversity:
+            rewards = rewards + ml.reward("diversity", rollout=rollout, weight=diversity)
         ml.set_loss(ml.policy_loss(ml.advantages(rewards, completions=rollout), ml.logprobs(policy, prompts, rollout)))
 
     return calculator_grpo

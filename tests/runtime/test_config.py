@@ -1,5 +1,7 @@
 """TrainConfig: YAML loading, dotted overrides, validation messages that name the field."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -49,6 +51,36 @@ def test_the_distributed_section_sets_the_pipeline_options():
     assert validate_config({"compile": {"max_staleness": 1}}).compile_options().max_staleness == 1
     with pytest.raises(ConfigError, match="max_staleness is set in both compile .1. and distributed .2."):
         validate_config({"compile": {"max_staleness": 1}, "distributed": {"max_staleness": 2}})
+
+
+def test_the_distributed_section_sets_the_learner_ranks():
+    cfg = validate_config({"distributed": {"learner_ranks": 2, "learner_strategy": "fsdp2", "ray_address": "auto"}})
+    assert (cfg.distributed.learner_ranks, cfg.distributed.learner_strategy) == (2, "fsdp2")
+    assert (validate_config({}).distributed.learner_ranks, validate_config({}).distributed.learner_strategy) == (1, "ddp")
+
+
+def test_learner_ranks_without_ray_name_the_extra(tmp_path):
+    """In a process where Ray cannot be imported, learner_ranks >= 2 fails validation naming the extra."""
+    code = """
+import sys
+class NoRay:
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError("No module named 'ray'")
+sys.meta_path.insert(0, NoRay())
+from materl.errors import ConfigError
+from materl.runtime.config import validate_config
+print(validate_config({"distributed": {"learner_ranks": 1}}).distributed.learner_ranks)
+try:
+    validate_config({"distributed": {"learner_ranks": 2}})
+except ConfigError as exc:
+    print("ERROR:", exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.startswith("1\n"), out.stderr[-2000:]
+    assert "ERROR:" in out.stdout and "learner_ranks=2 runs on Ray, which is not installed" in out.stdout
+    assert 'pip install "materl[ray]"' in out.stdout and "learner_ranks=1" in out.stdout
 
 
 def test_overrides_parse_yaml_scalars(tmp_path):
@@ -103,6 +135,8 @@ def test_bad_overrides(item, needle):
     ("distributed.workers=-2", ["distributed.workers=-2", ">= 0"]),
     ("distributed.weight_transport=nfs", ["distributed.weight_transport", "'nfs'", "object_store", "disk"]),
     ("distributed.ray_address=auto", ["ray_address='auto'", "workers=0"]),
+    ("distributed.learner_ranks=0", ["distributed.learner_ranks=0", ">= 1"]),
+    ("distributed.learner_strategy=zero3", ["distributed.learner_strategy", "'zero3'", "ddp", "fsdp2"]),
     ("distributed.correction={method: tiss}", ["distributed.correction", "tiss", "tis"]),
     ("distributed.correction={method: tis, cap2: 1}", ["distributed.correction", "cap2", "cap"]),
 ])

@@ -108,3 +108,9 @@ def test_cli_train_runs_the_distributed_section(tmp_path, capsys):
     final = json.loads(capsys.readouterr().out)["final"]
     assert final["step"] == 3.0 and final["async/batch_version"] == 1.0 and final["async/staleness_max"] == 1.0
     assert 0.0 < final["policy_loss/is_weight"] <= 2.0 and "mismatch/mean_abs" in final
+
+
+def test_learner_ranks_must_be_a_positive_int(tmp_path):
+    with pytest.raises(ConfigError, match=r"learner_ranks must be an int >= 1, got 0"):
+        train(make_step(), arithmetic_rows(4, seed=0), steps=1, batch_size=2, run_dir=tmp_path, progress=False,
+              tensorboard=False, learner_ranks=0)

@@ -88,10 +88,13 @@ def logprobs_learn(learner, node: Node, rows, get, denoms):
 
 def _gather_mismatch(learner, node: Node, sb: SeqBatch, logp: Tensor) -> None:
     """mismatch/* without recompute: this forward runs under the weights at the start of the step
-    (no optimizer step yet), so its log-probs are the learner's; the metrics cover every row seen so far."""
-    seen = learner.scratch.setdefault(f"mismatch/{node.name}", [])
-    seen.append((logp.detach(), sb.old_logprobs, sb.mask))
-    learner.batch_metrics |= _mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen)))
+    (no optimizer step yet), so its log-probs are the learner's; the metrics cover every row seen
+    before the first optimizer step (on every learner rank)."""
+    learner.gather(f"mismatch/{node.name}", (logp.detach(), sb.old_logprobs, sb.mask), _finish_mismatch)
+
+
+def _finish_mismatch(seen: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
+    return _mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen)))  # rows of one SeqBatch: one width
 
 
 def _mismatch_metrics(learner_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> dict[str, float]:

@@ -1,0 +1,100 @@
+"""The learner stage of a run on R learner ranks (``LearnerGroup``), driven from the process that
+holds the compiled step: what ``Compiled.learn`` does, with the forward/backward/optimizer step on
+the ranks.
+
+    ranks = RankedLearner(compiled, 2, strategy="ddp")      # after restoring a checkpoint, if any
+    pipeline = Pipeline(compiled, workers, store, learner=ranks, ...)
+    ranks.pull_state()                                       # before save_checkpoint(optimizers=...)
+    ranks.shutdown()
+
+The driver keeps its agents and optimizers as the run's record: the ranks start from them (a
+fresh run's weights, or a restored checkpoint's weights and optimizer states), after each step
+the new trainable weights are loaded into the driver's agents (so rollouts in this process,
+weight publication to rollout workers, evaluation and checkpoints see them), references that
+follow the policy are updated here as on the ranks, and ``pull_state`` copies the ranks'
+optimizer states into the driver's optimizers for a checkpoint. The LR schedule steps the
+driver's optimizers; each step sends their learning rates to the ranks.
+
+A rank that dies stops the run: ``learn`` raises ``LearnerRankError`` naming it, nothing of
+that step is kept, and the last checkpoint is the one to resume from.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+
+from materl.compiler.episode import Episode
+from materl.distributed.state import LearnerState
+
+
+class RankedLearner:
+    """``learn(episodes, rollout_s=)`` for ``Pipeline`` on a ``LearnerGroup``; see the module docstring."""
+
+    def __init__(self, compiled: Any, ranks: int, *, strategy: str = "ddp", ray_address: str | None = None,
+                 num_cpus: float = 1):
+        from materl.distributed.ray_group import LearnerGroup
+
+        self.compiled = compiled
+        self.group = LearnerGroup(ranks, compiled.options, agents=compiled.context().agents, strategy=strategy,
+                                  ray_address=ray_address, num_cpus=num_cpus)
+        try:
+            self.push_state()
+        except BaseException:
+            self.group.shutdown()
+            raise
+
+    def followers(self) -> list[str]:
+        """The driver's reference agents that follow the policy (``reference="ema"``, resets)."""
+        c = self.compiled
+        if c.options.reference in ("frozen", "none"):
+            return []
+        refs = {id(ref) for ref, _, _ in c.references}
+        return [n for n, a in c.agents.items() if id(a) in refs]
+
+    def push_state(self) -> None:
+        """Every rank loads the driver's weights, optimizer states and step count."""
+        c = self.compiled
+        names = [n for n, a in c.agents.items() if a.trainable] + self.followers()
+        models = {n: c.agents[n].model.state_dict() for n in names}
+        optimizers = {n: opt.state_dict() for n, opt in c.optimizers.items()}
+        self.group.load_state(LearnerState(c.step_count, models, optimizers))
+
+    def pull_state(self) -> None:
+        """Copy the ranks' optimizer states into the driver's optimizers (for a checkpoint)."""
+        state = self.group.state()
+        for name, opt in self.compiled.optimizers.items():
+            opt.load_state_dict(state.optimizers[name])
+
+    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
+        """``Compiled.learn`` with the update on the ranks (in a thread: rollouts go on meanwhile)."""
+        c = self.compiled
+        metrics = c.rollout_metrics(episodes)
+        metrics.update(c.failures.metrics(episodes))
+        c.failures.check(episodes, step=c.step_count + 1)
+        c.failures.check_update(episodes, step=c.step_count + 1)
+        ok = [e for e in episodes if e.ok]
+        c.last_episodes = ok
+        lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in c.optimizers.items()}
+        t0 = time.perf_counter()
+        result = await anyio.to_thread.run_sync(self.group.step, ok, c.context(), lrs)
+        t1 = time.perf_counter()
+        result.weights.load_into(c.agents)
+        c.step_count = result.version
+        for agent in {id(a): a for a in c.agents.values()}.values():
+            if agent.trainable:
+                agent.sync_engine()
+                agent.policy_version = c.step_count
+        learned = dict(result.metrics)
+        c.update_references(learned.get("policy_loss/kl", learned.get("kl")))
+        metrics.update({k: v for k, v in learned.items() if not k.startswith("time/")})
+        metrics.update({"time/rollout": rollout_s or 0.0, "time/stage/prepare": learned["time/prepare"],
+                        "time/stage/learner": learned["time/learner"], "time/ranks": t1 - t0,
+                        "time/load_weights": time.perf_counter() - t1, "step": c.step_count})
+        return metrics
+
+    def shutdown(self) -> None:
+        if self.group.actors:
+            self.group.shutdown()
