@@ -21,11 +21,13 @@ def temperature(learner, node: Node) -> float:
 
 
 def forward_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool = False):
+    """Log-probs (B, T) with gradient, and with ``entropy`` the entropy as a metric (no gradient:
+    with a frozen LM head the hidden-state gradient is then formed in the forward)."""
     o = learner.run.options
     hidden = completion_hidden(agent, sb, share_prompts=o.share_prompts)
     weight, bias = agent.output_embedding()
     return token_logprobs(hidden, weight, sb.completion_ids, bias=bias, temperature=temp,
-                          chunk_size=o.logprob_chunk_size, return_entropy=entropy)
+                          chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
 
 
 def forward_values(learner, agent, sb: SeqBatch) -> Tensor:
