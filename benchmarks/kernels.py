@@ -139,6 +139,9 @@ def loss_rows(args, table):
                                                        eps_high=0.28),
         "gspo + seq_mean_token_mean": dict(loss="gspo", agg="seq_mean_token_mean"),
         "cispo + token_mean + k1": dict(loss="cispo", agg="token_mean", kl="k1", kl_coef=0.01),
+        "ppo_clip + k3 as TRL (no clamp, bias-corrected) + TIS weights": dict(
+            loss="ppo_clip", agg="token_mean", kl="k3", kl_coef=0.04, kl_clamp=None, kl_bias_correction=True,
+            weights=(torch.exp(old - logp.detach()).clamp(max=2.0) * mask)),
     }
     for name, kw in settings.items():
         def run(fn, extra, kw=kw):

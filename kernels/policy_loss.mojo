@@ -1,9 +1,12 @@
-# Fused policy loss: per-token loss (ppo_clip | gspo | cispo) x aggregation x optional KL term,
-# its metrics, and d loss / d logp -- each in one sweep over the (B, T) inputs, with no
-# intermediate (B, T) buffers (the backward writes only the gradient).
+# Fused policy loss: per-token loss (ppo_clip | gspo | cispo), optionally weighted per token (an
+# off-policy correction's w), x aggregation x optional KL term (optionally clamped, optionally
+# times the importance ratio pi/pi_old: TRL's bias-corrected KL), its metrics, and d loss / d logp
+# -- each in one sweep over the (B, T) inputs, with no intermediate (B, T) buffers (the backward
+# writes only the gradient).
 #
 # Reference semantics (value AND gradient, torch autograd conventions at ties and clamp edges):
-# materl/ops/losses.py, materl/ops/aggregate.py, materl/ops/kl.py; the Python wrapper is
+# materl/ops/losses.py, materl/ops/aggregate.py, materl/ops/kl.py (kl_penalty, bias_corrected_kl),
+# materl/ops/offpolicy.py (the weights); the Python wrapper is
 # materl/kernels/policy_loss.py. Arithmetic is float64 whatever the input dtype.
 #
 # Calling convention (materl/kernels/loader.py): @export ... abi("C") -> Int; 0 = success.
@@ -39,6 +42,7 @@ struct Hyper:
     var agg: Int
     var kl: Int
     var one_sided: Bool
+    var kl_ratio: Bool  # the KL term times r = exp(clamp(logp - old, -20, 20)), with its gradient
     var eps_low: Float64
     var eps_high: Float64
     var dual: Float64  # <= 0: no dual clip
@@ -47,12 +51,13 @@ struct Hyper:
     var denom: Float64  # < 0: computed from the mask
     var norm: Float64
 
-    def __init__(out self, loss: Int, agg: Int, kl: Int, one_sided: Int, eps_low: Float64, eps_high: Float64,
-                 dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64, norm: Float64):
+    def __init__(out self, loss: Int, agg: Int, kl: Int, one_sided: Int, kl_ratio: Int, eps_low: Float64,
+                 eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64, norm: Float64):
         self.loss = loss
         self.agg = agg
         self.kl = kl
         self.one_sided = one_sided != 0
+        self.kl_ratio = kl_ratio != 0
         self.eps_low = eps_low
         self.eps_high = eps_high
         self.dual = dual
@@ -143,8 +148,9 @@ def token_loss(mut t: Tok, lp: Float64, old: Float64, a: Float64, r: Float64, se
 
 
 @always_inline
-def kl_token(mut t: Tok, lp: Float64, rf: Float64, ex: Float64, h: Hyper):
-    """Value and gradient of the KL estimator (materl.ops.kl) at one token; ex = exp(clamp(rf - lp, -20, 20))."""
+def kl_token(mut t: Tok, lp: Float64, rf: Float64, ex: Float64, old: Float64, r: Float64, h: Hyper):
+    """Value and gradient of the KL estimator (materl.ops.kl) at one token; ex = exp(clamp(rf - lp, -20, 20)),
+    r = exp(clamp(lp - old, -20, 20)) (read only with kl_ratio)."""
     var d = lp - rf
     var v: Float64
     var g: Float64
@@ -167,6 +173,9 @@ def kl_token(mut t: Tok, lp: Float64, rf: Float64, ex: Float64, h: Hyper):
         v = clamp(v, -h.kl_clamp, h.kl_clamp)
     if h.kl == K3_PLUS:
         g = d  # straight-through: the gradient of k2
+    if h.kl_ratio:  # d (r v) / d lp = r (g + v), r's gradient passing inside the [-20, 20] bound
+        g = r * (g + v * inside(lp - old, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        v = r * v
     t.value = v
     t.grad = g
 
@@ -181,16 +190,21 @@ struct Inputs[dt: DType]:
     var ref_lp: Pointer[Scalar[Self.dt], MutUntrackedOrigin]
     var adv: Pointer[Scalar[Self.dt], MutUntrackedOrigin]
     var mask: Pointer[Scalar[Self.dt], MutUntrackedOrigin]
+    var wt: Pointer[Scalar[Self.dt], MutUntrackedOrigin]  # per-token loss weights; read only if has_wt
+    var has_wt: Bool
     var adv_sb: Int
     var adv_st: Int
     var T: Int
 
-    def __init__(out self, logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, adv_sb: Int, adv_st: Int, T: Int):
+    def __init__(out self, logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, wt: Int, adv_sb: Int, adv_st: Int,
+                 T: Int):
         self.logp = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=logp)
         self.old = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=old)
         self.ref_lp = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=ref_lp)
         self.adv = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=adv)
         self.mask = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=mask)
+        self.wt = Pointer[Scalar[Self.dt], MutUntrackedOrigin](unsafe_from_address=wt)
+        self.has_wt = wt != 0
         self.adv_sb = adv_sb
         self.adv_st = adv_st
         self.T = T
@@ -198,6 +212,10 @@ struct Inputs[dt: DType]:
     @always_inline
     def get(self, p: Pointer[Scalar[Self.dt], MutUntrackedOrigin], i: Int) -> Float64:
         return p[unsafe_offset=i].cast[DType.float64]()
+
+    @always_inline
+    def weight(self, i: Int) -> Float64:
+        return self.get(self.wt, i) if self.has_wt else 1.0
 
     def row_stats(self, b: Int, loss: Int) -> Tuple[Float64, Float64]:
         """(sum_t mask, GSPO's sequence log-ratio sum_t m (logp - old) / max(sum m, 1))."""
@@ -281,7 +299,7 @@ def forward_row[dt: DType](x: Inputs[dt], b: Int, h: Hyper, mut acc: Sums):
     while j0 < x.T:
         var n = W if j0 + W <= x.T else x.T - j0
         var i0 = b * x.T + j0
-        var e = x.exps(i0, n, h.loss != GSPO, need_ex)
+        var e = x.exps(i0, n, h.loss != GSPO or h.kl_ratio, need_ex)
         for l in range(n):
             var i = i0 + l
             var m = x.get(x.mask, i)
@@ -292,13 +310,13 @@ def forward_row[dt: DType](x: Inputs[dt], b: Int, h: Hyper, mut acc: Sums):
             var old = x.get(x.old, i)
             var r = s if h.loss == GSPO else e[0][l]
             token_loss(t, lp, old, x.get(x.adv, b * x.adv_sb + (j0 + l) * x.adv_st), r, seq_log, h)
-            row_pg += t.value * m
+            row_pg += t.value * m * x.weight(i)
             acc.clip += t.clip * m
             acc.lower += t.lower * m
             acc.ppo_kl += (old - lp) * m
             acc.ratio += t.ratio * m
             if has_ref:
-                kl_token(k, lp, x.get(x.ref_lp, i), e[1][l], h)
+                kl_token(k, lp, x.get(x.ref_lp, i), e[1][l], old, e[0][l], h)
                 row_kl += k.value * m
                 acc.kl_mean += k.value * m
         j0 += W
@@ -363,7 +381,8 @@ def backward[dt: DType](x: Inputs[dt], B: Int, h: Hyper, g_out: Float64, D: Floa
         while j0 < x.T:
             var n = W if j0 + W <= x.T else x.T - j0
             var i0 = b * x.T + j0
-            var e = x.exps(i0, n, h.loss != GSPO and w != 0.0, need_ex and w != 0.0)
+            var need_r = h.loss != GSPO or (has_ref and h.kl_ratio)
+            var e = x.exps(i0, n, need_r and w != 0.0, need_ex and w != 0.0)
             for l in range(n):
                 var i = i0 + l
                 var m = x.get(x.mask, i)
@@ -371,57 +390,60 @@ def backward[dt: DType](x: Inputs[dt], B: Int, h: Hyper, g_out: Float64, D: Floa
                     grad[unsafe_offset=i] = Scalar[dt](0)
                     continue
                 var lp = x.get(x.logp, i)
+                var old = x.get(x.old, i)
                 var r = s if h.loss == GSPO else e[0][l]
-                token_loss(t, lp, x.get(x.old, i), x.get(x.adv, b * x.adv_sb + (j0 + l) * x.adv_st), r, seq_log, h)
-                var gsum = t.grad
+                token_loss(t, lp, old, x.get(x.adv, b * x.adv_sb + (j0 + l) * x.adv_st), r, seq_log, h)
+                var gsum = t.grad * x.weight(i)
                 if has_ref:
-                    kl_token(k, lp, x.get(x.ref_lp, i), e[1][l], h)
+                    kl_token(k, lp, x.get(x.ref_lp, i), e[1][l], old, e[0][l], h)
                     gsum += h.kl_coef * k.grad
                 grad[unsafe_offset=i] = (w * m * gsum).cast[dt]()
             j0 += W
 
 
 @export
-def policy_loss_fwd_f64(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, B: Int, T: Int, adv_sb: Int,
-                        adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, eps_low: Float64,
-                        eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64,
-                        norm: Float64, out_addr: Int) abi("C") -> Int:
+def policy_loss_fwd_f64(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, wt: Int, B: Int, T: Int,
+                        adv_sb: Int, adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, kl_ratio: Int,
+                        eps_low: Float64, eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64,
+                        denom: Float64, norm: Float64, out_addr: Int) abi("C") -> Int:
     """Forward on float64 inputs; writes the N_OUT results to out_addr."""
-    var h = Hyper(loss, agg, kl, one_sided, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
-    forward[DType.float64](Inputs[DType.float64](logp, old, ref_lp, adv, mask, adv_sb, adv_st, T), B, h, out_addr)
+    var h = Hyper(loss, agg, kl, one_sided, kl_ratio, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
+    forward[DType.float64](Inputs[DType.float64](logp, old, ref_lp, adv, mask, wt, adv_sb, adv_st, T), B, h,
+                           out_addr)
     return 0
 
 
 @export
-def policy_loss_fwd_f32(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, B: Int, T: Int, adv_sb: Int,
-                        adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, eps_low: Float64,
-                        eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64,
-                        norm: Float64, out_addr: Int) abi("C") -> Int:
+def policy_loss_fwd_f32(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, wt: Int, B: Int, T: Int,
+                        adv_sb: Int, adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, kl_ratio: Int,
+                        eps_low: Float64, eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64,
+                        denom: Float64, norm: Float64, out_addr: Int) abi("C") -> Int:
     """Forward on float32 inputs (float64 arithmetic); writes the N_OUT results to out_addr."""
-    var h = Hyper(loss, agg, kl, one_sided, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
-    forward[DType.float32](Inputs[DType.float32](logp, old, ref_lp, adv, mask, adv_sb, adv_st, T), B, h, out_addr)
+    var h = Hyper(loss, agg, kl, one_sided, kl_ratio, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
+    forward[DType.float32](Inputs[DType.float32](logp, old, ref_lp, adv, mask, wt, adv_sb, adv_st, T), B, h,
+                           out_addr)
     return 0
 
 
 @export
-def policy_loss_bwd_f64(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, B: Int, T: Int, adv_sb: Int,
-                        adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, eps_low: Float64,
-                        eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64,
-                        norm: Float64, g_out: Float64, D: Float64, grad_addr: Int) abi("C") -> Int:
+def policy_loss_bwd_f64(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, wt: Int, B: Int, T: Int,
+                        adv_sb: Int, adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, kl_ratio: Int,
+                        eps_low: Float64, eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64,
+                        denom: Float64, norm: Float64, g_out: Float64, D: Float64, grad_addr: Int) abi("C") -> Int:
     """Backward on float64 inputs: writes d loss / d logp (B, T) to grad_addr."""
-    var h = Hyper(loss, agg, kl, one_sided, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
-    backward[DType.float64](Inputs[DType.float64](logp, old, ref_lp, adv, mask, adv_sb, adv_st, T), B, h, g_out, D,
+    var h = Hyper(loss, agg, kl, one_sided, kl_ratio, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
+    backward[DType.float64](Inputs[DType.float64](logp, old, ref_lp, adv, mask, wt, adv_sb, adv_st, T), B, h, g_out, D,
                             grad_addr)
     return 0
 
 
 @export
-def policy_loss_bwd_f32(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, B: Int, T: Int, adv_sb: Int,
-                        adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, eps_low: Float64,
-                        eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64, denom: Float64,
-                        norm: Float64, g_out: Float64, D: Float64, grad_addr: Int) abi("C") -> Int:
+def policy_loss_bwd_f32(logp: Int, old: Int, ref_lp: Int, adv: Int, mask: Int, wt: Int, B: Int, T: Int,
+                        adv_sb: Int, adv_st: Int, loss: Int, agg: Int, kl: Int, one_sided: Int, kl_ratio: Int,
+                        eps_low: Float64, eps_high: Float64, dual: Float64, kl_clamp: Float64, kl_coef: Float64,
+                        denom: Float64, norm: Float64, g_out: Float64, D: Float64, grad_addr: Int) abi("C") -> Int:
     """Backward on float32 inputs: writes d loss / d logp (B, T) to grad_addr."""
-    var h = Hyper(loss, agg, kl, one_sided, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
-    backward[DType.float32](Inputs[DType.float32](logp, old, ref_lp, adv, mask, adv_sb, adv_st, T), B, h, g_out, D,
+    var h = Hyper(loss, agg, kl, one_sided, kl_ratio, eps_low, eps_high, dual, kl_clamp, kl_coef, denom, norm)
+    backward[DType.float32](Inputs[DType.float32](logp, old, ref_lp, adv, mask, wt, adv_sb, adv_st, T), B, h, g_out, D,
                             grad_addr)
     return 0

@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "materl.graph.node": ["Node", "Recipe"],
     "materl.graph.trace": ["Value"],
-    "materl.graph.recipe": ["algorithm", "recipe", "replace", "transform", "with_kl"],
+    "materl.graph.recipe": ["algorithm", "recipe", "replace", "transform", "with_kl", "with_off_policy_correction"],
     "materl.graph.custom": ["mojo_op", "op"],
     "materl.graph.constructors": [
         "add_loss", "advantages", "call_tools", "cispo_loss", "clip_cov_loss", "dpo_loss", "env_rollout", "filter_groups",

@@ -74,3 +74,13 @@ def test_tool_servers_import_only_materl_tools():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
             for name in names:
                 assert not name.startswith("materl") or name.startswith("materl.tools"), f"{path.name} imports {name}"
+
+
+def test_every_package_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists: each folder of materl
+    with an ``__init__.py`` must be among them."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "materl").rglob("__init__.py")}
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -1,6 +1,9 @@
 """The learner stage: batch tensors, prepare (no gradient), then epochs x mini-batches x
 micro-batches of forward/backward, gradient clipping and an optimizer step per mini-batch.
 
+Metrics an implementation returns per micro-batch are averaged over the update; whole-batch
+metrics (the engine-vs-learner mismatch) go in ``batch_metrics`` and are reported as set.
+
 Loss aggregations get the mini-batch's global token/sequence count as their denominator, so
 summing micro-batch losses equals the mini-batch loss exactly (gradient accumulation is exact).
 What each node does here is its implementation's ``prepare``/``learn`` (``materl.compiler.kinds``).
@@ -32,6 +35,9 @@ class Learner:
         self.optimizer_step = optimizer_step
         self.seq: dict[tuple[str, str], SeqBatch] = {}
         self.timings: dict[str, float] = {}
+        self.updates = 0  # optimizer steps taken on this batch: 0 while the weights are the step's start
+        self.batch_metrics: dict[str, float] = {}  # whole-batch metrics set by implementations, not averaged
+        self.scratch: dict[str, list] = {}  # what implementations gather across micro-batches
 
     # -- batch tensors --
     def seq_batch(self, node: Node) -> SeqBatch:
@@ -123,9 +129,10 @@ class Learner:
                         sums[k] = sums.get(k, 0.0) + v * (len(idx) / len(rows) if not k.startswith("loss") else 1.0)
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + self.optimizer_step()
+                self.updates += 1
                 count += 1
         self.timings["stage/learner"] = time.perf_counter() - t0
-        return {k: v / count for k, v in sums.items()}
+        return {k: v / count for k, v in sums.items()} | self.batch_metrics
 
     def denominators(self, rows: Tensor) -> dict[str, dict[str, float]]:
         """Global token and sequence counts of a mini-batch, per completion set."""

@@ -8,8 +8,10 @@ call or a long episode holds up only its own batch. With S = 0 and the in-proces
 is lock-step training, bit for bit ``Compiled.run`` per step.
 
 - Versions: after step k the trainable weights are published as version k + 1 (see
-  ``versions.py``); a batch is sampled from the newest version when it is dispatched, or, in
-  deterministic mode, from exactly version max(0, j - S). Every token records its version.
+  ``versions.py``); a batch may be sampled from any version from j - S to the newest when it
+  is dispatched (a worker still finishing the previous batch's episodes keeps its version, so
+  the new batch starts at once; see ``workers.py``), or, in deterministic mode, from exactly
+  version max(0, j - S). Every token records its version.
 - The bound: before learning, an episode with a trained token more than S versions old is
   dropped with its whole group and counted (``async/dropped_stale``); the dispatch rule keeps
   this from happening unless a worker fell behind.
@@ -123,7 +125,7 @@ class Pipeline:
         per_group = self.compiled.episodes_per_prompt
         for w, assigned in self.router.assign(groups, self.loads, per_group).items():
             job = Job(step=j, rows=[batch.rows[g] for g in assigned], groups=tuple(assigned), version=batch.version,
-                      rollout_id=f"s{j}w{w}v{batch.version}")
+                      rollout_id=f"s{j}w{w}v{batch.version}", oldest=batch.version if self.deterministic else max(0, j - self.S))
             self.loads[w] += len(assigned) * per_group
             tg.start_soon(self._run, j, w, job, tg)
 

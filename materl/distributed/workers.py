@@ -8,10 +8,14 @@ from; the worker loads that version from the weight store if it holds another, r
 stage (``rollout_from_context``) and returns the finished episodes, every token tagged with the
 version that sampled it.
 
-With ``partial_rollouts=False`` a worker changes version only when no episode is running on the
-old one (episodes finish on the version they started with); with ``True`` it loads a new
-version as soon as a job asks for it, between engine batches, and episodes in flight continue
-on it (their later turns carry the new version).
+A job names the newest version (``version``) and the oldest it may use (``oldest``: the staleness
+bound). With ``partial_rollouts=False`` episodes finish on the version they started with, so a
+worker whose episodes are still running keeps its version for a new job as long as it is not
+older than ``oldest`` (the new batch starts at once, overlapping the old batch's stragglers);
+an idle worker moves to the newest version; a worker behind the bound waits for its episodes to
+finish, then moves. With ``partial_rollouts=True`` it loads the newest version as soon as a job
+asks for it, between engine batches, and episodes in flight continue on it (their later turns
+carry the new version). Deterministic runs give ``oldest == version``: exactly that version.
 """
 
 from __future__ import annotations
@@ -34,18 +38,23 @@ class Job:
     step: int  # the step these episodes are for (their seeds depend on it)
     rows: list  # prompts (or rows with "prompt"/"messages" and columns)
     groups: tuple[int, ...]  # each row's index in the step's batch
-    version: int  # the policy version to sample from
+    version: int  # the newest policy version (the one to move to)
     columns: Mapping[str, list] = field(default_factory=dict)
     rollout_id: str = ""
     mode: str = "train"
+    oldest: int | None = None  # the oldest version the job may sample from (None: exactly `version`)
+
+
+def rollout_agent_names(ctx: StepContext) -> list[str]:
+    """The agents the rollout stage uses (the agents of its episode-scope nodes)."""
+    plan = ctx.plan
+    return sorted({a for name in plan.episode for a in plan.nodes[name].agents})
 
 
 def mirrored_agents(agents: Mapping[str, Any], ctx: StepContext) -> list[str]:
-    """The agents the rollout stage samples from (generation nodes' agents) that the learner
-    trains: the ones whose weights a worker must follow version by version."""
-    plan = ctx.plan
-    used = {a for name in plan.episode for a in plan.nodes[name].agents}
-    return sorted(a for a in used if ctx.agents[a].trainable)
+    """The rollout agents the learner trains: the ones whose weights a worker must follow
+    version by version."""
+    return [a for a in rollout_agent_names(ctx) if ctx.agents[a].trainable]
 
 
 class LocalWorker:
@@ -59,9 +68,17 @@ class LocalWorker:
         self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
         self.inflight: dict[int, int] = {}  # version -> episodes running on it
         self._changed = anyio.Condition()
+        self._starting = anyio.Lock()
+
+    async def start(self) -> None:
+        """Start the plan's tool servers in this worker (once; later calls return at once)."""
+        async with self._starting:
+            for toolbox in plan_toolboxes(self.ctx.plan):
+                await toolbox.start()
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
-        await self._use(job.version)
+        await self.start()
+        await self._use(job.version, job.version if job.oldest is None else job.oldest)
         self.inflight[self.version] = self.inflight.get(self.version, 0) + len(job.rows)
         started = self.version
         try:
@@ -73,10 +90,14 @@ class LocalWorker:
             async with self._changed:
                 self._changed.notify_all()
 
-    async def _use(self, version: int) -> None:
-        """Hold ``version``'s weights before a job starts (see the module docstring)."""
+    async def _use(self, version: int, oldest: int) -> None:
+        """Hold weights of a version in ``[oldest, version]`` before a job starts (see the module
+        docstring)."""
         if version == self.version or not self.followed:
             return
+        busy = any(self.inflight.values())
+        if not self.partial_rollouts and busy and oldest <= self.version <= version:
+            return  # keep sampling with the version still in use
         if self.store is None:
             raise RuntimeError(f"worker {self.name!r} holds version {self.version} and has no weight store to "
                                f"load version {version} from")
@@ -84,7 +105,7 @@ class LocalWorker:
             while not self.partial_rollouts and any(n for v, n in self.inflight.items() if v != version):
                 await self._changed.wait()
             if version != self.version:
-                await compute.acall(load_version, self.agents, self.store.get(version), version=version)
+                await compute.acall(_load, self.agents, self.store, version)
                 self.version = version
 
     async def aclose(self) -> None:
@@ -95,3 +116,8 @@ class LocalWorker:
     @property
     def load(self) -> int:
         return sum(self.inflight.values())
+
+
+def _load(agents: Mapping[str, Any], store: WeightStore, version: int) -> None:
+    """Fetch a version (a file read, or a Ray object) and copy it in, off the event loop."""
+    load_version(agents, store.get(version), version=version)

@@ -13,7 +13,7 @@ from materl.errors import RecipeError, RecipeWarning
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 from materl.ops.advantages import ADVANTAGES
 from materl.ops.aggregate import LOSS_AGG
-from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
+from materl.ops.kl import ESTIMATOR_DEFAULT, KL_ALIASES, KL_ESTIMATORS
 from materl.ops.losses import POLICY_LOSSES
 from materl.ops.preference import PREFERENCE_LOSSES
 from materl.ops.rewards import REWARDS
@@ -176,12 +176,21 @@ def _scored(b, what: str) -> Value:
 # -- learner (batch scope) ---------------------------------------------------------------------
 
 
-def logprobs(agent, prompts, completions, *, name: str | None = None, temperature: float | None = None) -> Value:
-    """Per-token log-probs of ``completions`` under ``agent`` (B,T), computed in chunks."""
+def logprobs(agent, prompts, completions, *, name: str | None = None, temperature: float | None = None,
+             recompute: bool = False) -> Value:
+    """Per-token log-probs of ``completions`` under ``agent`` (B,T), computed in chunks.
+
+    For a trainable agent the policy losses' old log-probs are the engine's sampling log-probs;
+    ``recompute=True`` makes them a no-gradient forward by the learner under the weights at the
+    start of the step (the proximal policy of off-policy corrections: one more forward per step).
+    Either way the engine-vs-learner mismatch is reported as ``mismatch/*``. A frozen agent's
+    log-probs are always computed by the learner."""
+    if not isinstance(recompute, bool):
+        raise RecipeError(f"ml.logprobs(recompute=...) takes True or False, got {recompute!r}")
     b = active_builder("ml.logprobs")
     a = b.agent(agent, "ml.logprobs")
-    return b.add("logprobs", [a, prompts, completions], _given(temperature=temperature), scope="batch",
-                 name=name, default_name="logprobs")
+    params = {**_given(temperature=temperature), **({"recompute": True} if recompute else {})}
+    return b.add("logprobs", [a, prompts, completions], params, scope="batch", name=name, default_name="logprobs")
 
 
 def values(agent, prompts, completions, *, name: str | None = None) -> Value:
@@ -192,9 +201,17 @@ def values(agent, prompts, completions, *, name: str | None = None) -> Value:
 
 
 def policy_loss(advantages, logprobs, ref_logprobs=None, *, loss: str = "ppo_clip", agg: str = "token_mean",
-                kl: str | None = None, kl_coef: float = 0.0, name: str | None = None, **hparams) -> Value:
+                kl: str | None = None, kl_coef: float = 0.0, kl_clamp: float | None = ESTIMATOR_DEFAULT,
+                kl_bias_correction: bool = False, name: str | None = None, **hparams) -> Value:
     """A registered policy loss, aggregated by a registered mode, plus ``kl_coef * agg(KL)`` when
-    reference log-probs are given. Old log-probs are the sampling log-probs of the rollout."""
+    reference log-probs are given. Old log-probs are those ``logprobs`` prepares: the rollout's
+    sampling log-probs, or the recomputed ones (``ml.logprobs(..., recompute=True)``).
+
+    ``kl_clamp``: the KL estimate is clipped to [-kl_clamp, kl_clamp]; omitted, the estimator's
+    default (10 for k3, verl's low_var_kl; none for the others); None: no clamp (TRL).
+    ``kl_bias_correction=True``: the per-token KL is multiplied by the importance ratio pi/pi_old,
+    with its gradient (TRL 1.16's default ``use_bias_correction_kl``; ``materl.ops.kl.bias_corrected_kl``).
+    TRL GRPOTrainer's KL term is ``kl="k3", kl_clamp=None, kl_bias_correction=True``."""
     POLICY_LOSSES.get(loss)
     LOSS_AGG.get(agg)
     if kl_coef and ref_logprobs is None:
@@ -202,12 +219,30 @@ def policy_loss(advantages, logprobs, ref_logprobs=None, *, loss: str = "ppo_cli
     if kl is not None:
 
         KL_ESTIMATORS.get(KL_ALIASES.get(kl, kl))
+    kl_params = _kl_settings(f"policy loss {loss!r}", kl_clamp, kl_bias_correction)
+    if kl_params and ref_logprobs is None:
+        raise RecipeError(f"policy loss {loss!r} has {', '.join(f'{k}={v!r}' for k, v in kl_params.items())} "
+                          f"but no ref_logprobs (they set the KL term, which needs reference log-probs)")
     b = active_builder("ml.policy_loss")
     inputs = [advantages, logprobs] + ([ref_logprobs] if ref_logprobs is not None else [])
     params = {"loss": loss, "agg": agg, **hparams}
     if ref_logprobs is not None:
-        params.update(kl=kl or "k3", kl_coef=float(kl_coef))
+        params.update(kl=kl or "k3", kl_coef=float(kl_coef), **kl_params)
     return b.add("policy_loss", inputs, params, scope="batch", name=name, default_name="policy_loss")
+
+
+def _kl_settings(what: str, clamp, bias_correction) -> dict[str, Any]:
+    """The KL term's clamp and bias correction as node params: recorded only when set."""
+    out: dict[str, Any] = {}
+    if clamp is not ESTIMATOR_DEFAULT:
+        if clamp is not None and (isinstance(clamp, bool) or not isinstance(clamp, (int, float)) or not clamp > 0):
+            raise RecipeError(f"{what}: kl_clamp must be a number > 0, or None for no clamp; got {clamp!r}")
+        out["kl_clamp"] = None if clamp is None else float(clamp)
+    if not isinstance(bias_correction, bool):
+        raise RecipeError(f"{what}: kl_bias_correction takes True or False, got {bias_correction!r}")
+    if bias_correction:
+        out["kl_bias_correction"] = True
+    return out
 
 
 def _loss_constructor(loss: str, doc: str, **defaults):

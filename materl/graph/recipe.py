@@ -1,4 +1,5 @@
-"""``@ml.recipe``, ``@ml.algorithm(using=...)`` and the plain transforms (``replace``, ``with_kl``).
+"""``@ml.recipe``, ``@ml.algorithm(using=...)`` and the plain transforms (``replace``, ``with_kl``,
+``with_off_policy_correction``).
 
 A transform is a function from a recipe to a new recipe; the base is never mutated.
 """
@@ -20,7 +21,9 @@ from materl.graph.trace import (
     signature_params,
     trace,
 )
-from materl.ops.kl import KL_ALIASES, KL_ESTIMATORS
+from materl.graph.constructors import _kl_settings
+from materl.ops.kl import ESTIMATOR_DEFAULT, KL_ALIASES, KL_ESTIMATORS
+from materl.ops.offpolicy import correction_params
 
 
 def recipe(fn: Callable | None = None, **defaults):
@@ -72,10 +75,15 @@ def replace(base: Recipe, node: str, new: Callable[[Graph], Value], *, name: str
     return transform(base, lambda graph: getattr(graph, node).replace_with(new(graph)), name=name)
 
 
-def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, name: str | None = None) -> Recipe:
-    """Add (or change) a KL penalty ``coef * agg(KL_estimator(policy || ref))`` on every policy
-    loss. Each loss must already read reference log-probs."""
+def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, clamp: float | None = ESTIMATOR_DEFAULT,
+            bias_correction: bool = False, name: str | None = None) -> Recipe:
+    """Set the KL penalty ``coef * agg(KL_estimator(policy || ref))`` of every policy loss (each
+    must already read reference log-probs); the term is replaced whole. ``clamp``: omitted, the
+    estimator's default (10 for k3); None, no clamp. ``bias_correction=True``: times the ratio
+    pi/pi_old with its gradient (TRL's default KL: ``estimator="k3", clamp=None,
+    bias_correction=True``). See ``ml.policy_loss``."""
     KL_ESTIMATORS.get(KL_ALIASES.get(estimator, estimator))
+    settings = _kl_settings("with_kl", clamp, bias_correction)
     losses = [n for n in base.nodes if n.op == "policy_loss"]
     if not losses:
         raise RecipeError(f"with_kl: {base.where} has no policy_loss node; nodes: "
@@ -88,10 +96,51 @@ def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, name: st
                     f"with_kl: policy loss {n.name!r} reads no reference log-probs; pass ref_logprobs "
                     f"to its constructor ({base.where})"
                 )
-            n = n.replace(params={**n.params, "kl": estimator, "kl_coef": float(coef)})
+            kept = {k: v for k, v in n.params.items() if k not in ("kl_clamp", "kl_bias_correction")}
+            n = n.replace(params={**kept, "kl": estimator, "kl_coef": float(coef), **settings})
         nodes.append(n)
+    extra = "".join(f", {k[3:]}={v!r}" for k, v in settings.items())
     return Recipe(name or base.name, base.params, base.agents, tuple(nodes), base.losses, base.defaults,
-                  f"with_kl({estimator}, {coef:g}) of {base.name!r}", base.doc)
+                  f"with_kl({estimator}, {coef:g}{extra}) of {base.name!r}", base.doc)
+
+
+def with_off_policy_correction(base: Recipe, method: str, *, name: str | None = None, **hparams) -> Recipe:
+    """Correct every policy loss of ``base`` for tokens the learner's policy did not sample.
+
+        tis = ml.with_off_policy_correction(grpo, "tis", cap=2.0)
+        mis = ml.with_off_policy_correction(grpo, "mis", upper=2.0, lower=0.5, level="sequence")
+        areal = ml.with_off_policy_correction(grpo, "decoupled", cap=5.0)
+
+    Each policy loss's logprobs node gets ``recompute=True`` (its old log-probs become a
+    no-gradient forward of the policy at the start of the step, the proximal policy), and the loss
+    gets ``correction={method, hyperparameters}``: its ratio is pi/pi_proximal and each token's
+    loss is weighted by w(pi_proximal/pi_sampling). ``method`` is a
+    ``materl.ops.offpolicy.CORRECTIONS`` name (tis, mis, decoupled); ``hparams`` its keywords,
+    recorded with the defaults filled in, so ``print(recipe)`` shows what runs."""
+    params = correction_params(method, hparams)
+    nodes = base.node_map
+    losses = [n for n in base.nodes if n.op == "policy_loss"]
+    if not losses:
+        raise RecipeError(f"with_off_policy_correction: {base.where} has no policy_loss node; nodes: "
+                          f"{', '.join(nodes)}")
+    sources = set()
+    for n in losses:
+        src = nodes.get(ref_node(n.inputs[1]))
+        if src is None or src.op != "logprobs":
+            raise RecipeError(f"with_off_policy_correction: policy loss {n.name!r} reads %{n.inputs[1]}, "
+                              f"{'a ' + src.op + ' node' if src is not None else 'no node'}; a correction needs "
+                              f"log-probs from ml.logprobs ({base.where})")
+        sources.add(src.name)
+    new = []
+    for n in base.nodes:
+        if n.op == "policy_loss":
+            n = n.replace(params={**n.params, "correction": {"method": method, **params}})
+        elif n.name in sources:
+            n = n.replace(params={**n.params, "recompute": True})
+        new.append(n)
+    shown = ", ".join(f"{k}={v!r}" for k, v in params.items())
+    return Recipe(name or base.name, base.params, base.agents, tuple(new), base.losses, base.defaults,
+                  f"with_off_policy_correction({method}, {shown}) of {base.name!r}", base.doc)
 
 
 def _finish(builder: Builder, *, origin: str = "", doc: str = "") -> Recipe:

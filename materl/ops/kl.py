@@ -22,7 +22,9 @@ adaptive  d where pi(token) > threshold     no           (none)
 
 Estimators after J. Schulman, "Approximating KL divergence" (2020); TRL GRPOTrainer's per-token KL
 is k3 without the clamp. ``kl_penalty`` is the front door, with verl's names as aliases and a
-``direction="forward"`` that estimates KL(ref || pi) from the same samples.
+``direction="forward"`` that estimates KL(ref || pi) from the same samples. ``bias_corrected_kl``
+is TRL's default (``use_bias_correction_kl=True``): the estimator times the importance ratio
+pi/pi_old, with its gradient.
 """
 
 from __future__ import annotations
@@ -133,7 +135,14 @@ def adaptive(logp: Tensor, ref_logp: Tensor, *, confidence_threshold: float = 0.
 
 
 # ----------------------------------------------------------------------------- front door
-_DEFAULT = object()
+class _EstimatorDefault:
+    """The ``clamp`` of a caller that did not choose one: the estimator's own default."""
+
+    def __repr__(self) -> str:
+        return "ESTIMATOR_DEFAULT"
+
+
+ESTIMATOR_DEFAULT = _EstimatorDefault()
 
 
 def _default_clamp(fn) -> float | None:
@@ -155,7 +164,7 @@ def _forward(name: str, fn, logp: Tensor, ref_logp: Tensor, clamp: float | None,
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str = "k3", direction: str = "reverse",
-               clamp: float | None = _DEFAULT, **hparams) -> Tensor:  # type: ignore[assignment]
+               clamp: float | None = ESTIMATOR_DEFAULT, **hparams) -> Tensor:  # type: ignore[assignment]
     """Per-token KL estimate (B,T) between pi and ref from tokens sampled from pi.
 
     ``estimator``: a KL_ESTIMATORS name or a verl alias (kl, mse, low_var_kl, k3+, low_var_kl+).
@@ -182,6 +191,33 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, *, estimator: str = "k3", directi
     if logp.shape != ref_logp.shape:
         raise ShapeError(f"shapes must match: logp{list(logp.shape)}, ref_logp{list(ref_logp.shape)}")
     if direction == "reverse":
-        return fn(logp, ref_logp, **hparams) if clamp is _DEFAULT else fn(logp, ref_logp, clamp=clamp, **hparams)
-    clamp = _default_clamp(fn) if clamp is _DEFAULT else clamp
+        if clamp is ESTIMATOR_DEFAULT:
+            return fn(logp, ref_logp, **hparams)
+        return fn(logp, ref_logp, clamp=clamp, **hparams)
+    clamp = _default_clamp(fn) if clamp is ESTIMATOR_DEFAULT else clamp
     return _forward(name, fn, logp, ref_logp, clamp, hparams)
+
+
+def bias_corrected_kl(logp: Tensor, ref_logp: Tensor, old_logp: Tensor, *, estimator: str = "k3",
+                      clamp: float | None = ESTIMATOR_DEFAULT, **hparams) -> Tensor:  # type: ignore[assignment]
+    """The per-token KL estimate times the importance ratio r = pi / pi_old, with its gradient::
+
+        r   = exp(clamp(logp - old_logp, -20, 20))
+        out = r * kl_penalty(logp, ref_logp, estimator=estimator, clamp=clamp)
+        d out / d logp = r * (d kl / d logp + kl)          (inside the [-20, 20] bound)
+
+    The tokens were sampled from pi_old, so E_old[r kl] = E_pi[kl]: the penalty and its gradient
+    estimate the reverse KL of the policy being optimised, not of pi_old (DeepSeek-V3.2,
+    arXiv:2512.02556). The ratio moves the gradient even where its value is 1. TRL 1.16
+    GRPOTrainer ``use_bias_correction_kl=True`` (its default) with the unclamped k3:
+    ``bias_corrected_kl(logp, ref, old, estimator="k3", clamp=None)`` equals TRL's
+    ``per_token_kl * coef_1`` in value and gradient. Deliberate differences: the log-ratio is
+    clamped to [-20, 20] before exp (verl's bound; TRL does not clamp), a ``clamp`` on the
+    estimator applies before the ratio, and the ratio is always per token (TRL with
+    ``importance_sampling_level="sequence"`` broadcasts the sequence ratio, for which the
+    estimate is no longer unbiased). ``old_logp`` is a constant (no gradient flows to it).
+    """
+    check_same_shape(logp=logp, ref_logp=ref_logp, old_logp=old_logp)
+    kl_B_T = kl_penalty(logp, ref_logp, estimator=estimator, clamp=clamp, **hparams)
+    ratio = torch.exp((logp - old_logp.detach()).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND))
+    return ratio * kl_B_T

@@ -35,6 +35,9 @@ def build_from_config(cfg, *, load_data: bool = True):
             return total
 
         recipe = ml.replace(recipe, "rewards", rewards)
+    if cfg.distributed.correction is not None:
+        hparams = dict(cfg.distributed.correction)
+        recipe = ml.with_off_policy_correction(recipe, hparams.pop("method"), **hparams)
     agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
     if "ref_policy" in recipe.agents:
         agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)

@@ -36,7 +36,8 @@ from pydantic import (
 import materl.recipes
 from materl.compiler.options import CompileOptions
 from materl.engines.models import NAMED_MODELS, lora_options
-from materl.errors import ConfigError
+from materl.errors import ConfigError, MaterlError
+from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
 from materl.runtime.logging import require_backend
 from materl.runtime.resolve import is_dotted
@@ -163,6 +164,41 @@ class LoggingSection(_Section):
         return v
 
 
+class DistributedSection(_Section):
+    """Scale-out (see docs/scaling-out.md): rollout workers, how far rollouts may run ahead of
+    the learner, where the Ray cluster is and how weights travel to the workers."""
+    workers: int = Field(default=0, ge=0)  # Ray rollout actors; 0: sample in this process
+    max_staleness: int = Field(default=0, ge=0)  # 0: lock-step
+    partial_rollouts: bool = False
+    deterministic: bool = False
+    ray_address: str | None = None  # an existing cluster ("auto", "ray://head:10001"); None: a local one
+    weight_transport: Literal["object_store", "disk"] = "object_store"
+    correction: dict[str, Any] | None = None  # {method: tis|mis|decoupled, ...its keywords}: ml.with_off_policy_correction
+
+    @field_validator("correction")
+    @classmethod
+    def _known_correction(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is None:
+            return v
+        hparams = dict(v)
+        method = hparams.pop("method", None)
+        try:
+            correction_params(method, hparams)
+        except MaterlError as e:
+            raise ValueError(f"{e} (write correction: {{method: tis, cap: 2.0}})") from None
+        return v
+
+    @model_validator(mode="after")
+    def _needs_workers(self):
+        if self.ray_address is not None and self.workers == 0:
+            raise ValueError(f"ray_address={self.ray_address!r} is given but workers=0 (sampling in this process); "
+                             f"set workers >= 1 to use the cluster")
+        return self
+
+
+PIPELINE_OPTIONS = ("max_staleness", "partial_rollouts", "deterministic")  # compile options the section sets
+
+
 class TrainConfig(_Section):
     """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""
     model: ModelSection = Field(default_factory=ModelSection)
@@ -174,6 +210,7 @@ class TrainConfig(_Section):
     compile: CompileOptions = Field(default_factory=CompileOptions)
     train: TrainSection = Field(default_factory=TrainSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    distributed: DistributedSection = Field(default_factory=DistributedSection)
     _base_dir: Path | None = PrivateAttr(default=None)  # the config file's folder (load_config)
 
     @property
@@ -201,11 +238,23 @@ class TrainConfig(_Section):
                 raise ValueError(f"tools[{i}]={spec!r} has an unsupported scheme; accepted: http://, https://")
         return v
 
+    @model_validator(mode="after")
+    def _pipeline_set_once(self):
+        for name in PIPELINE_OPTIONS:
+            if (name in self.compile.model_fields_set and name in self.distributed.model_fields_set
+                    and getattr(self.compile, name) != getattr(self.distributed, name)):
+                raise ValueError(f"{name} is set in both compile ({getattr(self.compile, name)!r}) and distributed "
+                                 f"({getattr(self.distributed, name)!r}); set it in one place (they disagree)")
+        return self
+
     def compile_options(self) -> CompileOptions:
-        """The validated compile options (``seed`` defaults to ``train.seed`` unless set in ``compile``)."""
-        if "seed" in self.compile.model_fields_set:
-            return self.compile
-        return self.compile.model_copy(update={"seed": self.train.seed})
+        """The validated compile options (``seed`` defaults to ``train.seed`` unless set in
+        ``compile``; the pipeline options come from the ``distributed`` section where it sets them)."""
+        update = {name: getattr(self.distributed, name) for name in PIPELINE_OPTIONS
+                  if name in self.distributed.model_fields_set}
+        if "seed" not in self.compile.model_fields_set:
+            update["seed"] = self.train.seed
+        return self.compile.model_copy(update=update) if update else self.compile
 
 
 def recipe_choices() -> list[str]:

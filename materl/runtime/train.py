@@ -223,7 +223,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
-                       config=config_to_dict(cfg))
+                       config=config_to_dict(cfg), workers=cfg.distributed.workers,
+                       ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport)
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}

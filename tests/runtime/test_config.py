@@ -41,6 +41,16 @@ def test_defaults_and_compile_options():
     assert validate_config({"train": {"seed": 7}, "compile": {"seed": 1}}).compile_options().seed == 1
 
 
+def test_the_distributed_section_sets_the_pipeline_options():
+    cfg = validate_config({"distributed": {"workers": 2, "max_staleness": 2, "deterministic": True}})
+    opts = cfg.compile_options()
+    assert (opts.max_staleness, opts.deterministic, opts.partial_rollouts) == (2, True, False)
+    assert cfg.distributed.workers == 2 and cfg.distributed.weight_transport == "object_store"
+    assert validate_config({"compile": {"max_staleness": 1}}).compile_options().max_staleness == 1
+    with pytest.raises(ConfigError, match="max_staleness is set in both compile .1. and distributed .2."):
+        validate_config({"compile": {"max_staleness": 1}, "distributed": {"max_staleness": 2}})
+
+
 def test_overrides_parse_yaml_scalars(tmp_path):
     path = write(tmp_path, {"recipe": "grpo", "rewards": [{"name": "length"}], "train": {"steps": 10}})
     cfg = load_config(path, ["train.steps=3", "compile.lr=1e-5", "logging.wandb=false",
@@ -90,6 +100,11 @@ def test_bad_overrides(item, needle):
     ("tools=['ftp://host/mcp']", ["tools[0]", "http://, https://"]),
     ("data.source=missing.jsonl", ["data.source", "'missing.jsonl'", "not found", "arithmetic"]),
     ("logging.samples_every=-1", ["logging.samples_every=-1", ">= 0"]),
+    ("distributed.workers=-2", ["distributed.workers=-2", ">= 0"]),
+    ("distributed.weight_transport=nfs", ["distributed.weight_transport", "'nfs'", "object_store", "disk"]),
+    ("distributed.ray_address=auto", ["ray_address='auto'", "workers=0"]),
+    ("distributed.correction={method: tiss}", ["distributed.correction", "tiss", "tis"]),
+    ("distributed.correction={method: tis, cap2: 1}", ["distributed.correction", "cap2", "cap"]),
 ])
 def test_bad_values_name_the_field_and_the_choices(tmp_path, override, needles):
     path = write(tmp_path, {"recipe": "grpo", "rewards": [{"name": "length"}], "train": {"steps": 10}})

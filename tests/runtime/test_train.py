@@ -98,3 +98,13 @@ def test_logged_lr_is_the_one_each_step_trained_with(tmp_path):
     result = train(make_step(), arithmetic_rows(6, seed=0), steps=3, batch_size=2, lr_schedule="linear",
                    warmup_steps=1, run_dir=tmp_path, progress=False, tensorboard=False)
     assert [h["lr"] for h in result["history"]] == pytest.approx([1e-3, 1e-3, 5e-4])
+
+
+def test_cli_train_runs_the_distributed_section(tmp_path, capsys):
+    """distributed: max_staleness and an off-policy correction from the config reach the run."""
+    assert main(["train", "examples/configs/tiny_grpo.yaml", "--set", f"train.run_dir={tmp_path / 'run'}",
+                 "--set", "train.steps=3", "--set", "distributed.max_staleness=1", "--set", "distributed.deterministic=true",
+                 "--set", "distributed.correction={method: tis, cap: 2.0}"]) == 0
+    final = json.loads(capsys.readouterr().out)["final"]
+    assert final["step"] == 3.0 and final["async/batch_version"] == 1.0 and final["async/staleness_max"] == 1.0
+    assert 0.0 < final["policy_loss/is_weight"] <= 2.0 and "mismatch/mean_abs" in final

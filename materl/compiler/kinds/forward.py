@@ -1,19 +1,31 @@
 """Learner forwards over (prompt, completion) rows: per-token log-probs (chunked through the LM
 head, no (B, T, V) tensor) and per-token values from a value head.
 
-A trainable agent's log-probs are computed twice: in prepare they are the sampling log-probs the
-engine returned (the old log-probs of PPO-style ratios, no forward pass), and in each micro-batch
-a forward with gradient. A frozen agent's (the reference) are one no-gradient forward."""
+A trainable agent's log-probs are computed twice: in prepare they are the old log-probs of
+PPO-style ratios, and in each micro-batch a forward with gradient. The old log-probs are the
+sampling log-probs the engine returned (no forward pass), or with ``recompute=True`` a
+no-gradient forward under the weights at the start of the step: the proximal policy that
+off-policy corrections anchor on (``ml.with_off_policy_correction`` sets it). A frozen agent's
+log-probs (the reference) are one no-gradient forward.
+
+The engine-vs-learner mismatch (``mismatch/mean_abs``, ``mismatch/max_abs``, ``mismatch/kl``,
+``mismatch/kl_k1``: ``materl.ops.offpolicy.logprob_mismatch`` over trained tokens) is a metric of
+every step whose trainable agent's log-probs are of sampled completions. With ``recompute=True``
+it is the proximal log-probs' over the whole batch. Without, it costs nothing: the learner's
+forwards before the first optimizer step run under the weights at the start of the step, so it is
+over their rows (the whole batch unless ``mini_batch_size`` splits it, then the first mini-batch)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from materl.compiler.episode import to_tensor
 from materl.compiler.sequences import SeqBatch, completion_hidden
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
 from materl.ops.logprobs import token_logprobs
+from materl.ops.offpolicy import logprob_mismatch
 
 
 def temperature(learner, node: Node) -> float:
@@ -42,17 +54,57 @@ def _no_grad(learner, node: Node, fn) -> Tensor:
     return torch.cat(parts).float()
 
 
+def recomputes(node: Node) -> bool:
+    """Whether a logprobs node's old log-probs are recomputed by the learner (the proximal policy)."""
+    return bool(node.params.get("recompute"))
+
+
 def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor:
-    if live:
+    if live and not recomputes(node):
         return learner.seq_batch(node).old_logprobs  # the sampling log-probs are the old log-probs
     agent = learner.run.agent(node)
-    return _no_grad(learner, node, lambda sb: forward_logprobs(learner, agent, sb, temp=temperature(learner, node)))
+    logp = _no_grad(learner, node, lambda sb: forward_logprobs(learner, agent, sb, temp=temperature(learner, node)))
+    if recomputes(node) and _sampled(learner, node):
+        full = learner.seq_batch(node)
+        learner.batch_metrics |= _mismatch_metrics(logp, full.old_logprobs, full.mask)
+    return logp
+
+
+def prepared_logprobs(learner, node: Node, rows: Tensor) -> Tensor:
+    """The (len(rows), T) log-probs prepare stored for ``node``: with ``recompute=True`` the proximal
+    policy's, else the sampling log-probs."""
+    values = [learner.episodes[i].resolve(node.name) for i in rows.tolist()]
+    width = learner.seq_batch(node).width
+    if all(isinstance(v, Tensor) and v.shape == (width,) for v in values):  # as prepare stored them
+        return torch.stack(values).float()
+    return to_tensor(values, width=width)
 
 
 def logprobs_learn(learner, node: Node, rows, get, denoms):
     sb = learner.seq_batch(node).rows(rows)
     logp, ent = forward_logprobs(learner, learner.run.agent(node), sb, temp=temperature(learner, node), entropy=True)
+    if learner.updates == 0 and not recomputes(node) and _sampled(learner, node):
+        _gather_mismatch(learner, node, sb, logp)
     return logp, {"entropy": float((ent.detach() * sb.mask).sum() / sb.mask.sum().clamp(min=1))}
+
+
+def _gather_mismatch(learner, node: Node, sb: SeqBatch, logp: Tensor) -> None:
+    """mismatch/* without recompute: this forward runs under the weights at the start of the step
+    (no optimizer step yet), so its log-probs are the learner's; the metrics cover every row seen so far."""
+    seen = learner.scratch.setdefault(f"mismatch/{node.name}", [])
+    seen.append((logp.detach(), sb.old_logprobs, sb.mask))
+    learner.batch_metrics |= _mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen)))
+
+
+def _mismatch_metrics(learner_logp: Tensor, sampling_logp: Tensor, mask: Tensor) -> dict[str, float]:
+    return {f"mismatch/{k}": v for k, v in logprob_mismatch(learner_logp, sampling_logp, mask).items()}
+
+
+def _sampled(learner, node: Node) -> bool:
+    """Whether the node's completions were sampled (rollouts carry sampling log-probs; offline
+    text, e.g. DPO pairs, does not)."""
+    _, comps_ref = learner.sequence_refs(node)
+    return bool(learner.episodes) and not isinstance(learner.episodes[0].resolve(comps_ref), str)
 
 
 def values_prepare(learner, node: Node, *, live: bool) -> Tensor:
@@ -71,9 +123,24 @@ def needs_value_head(node: Node, agent) -> str | None:
     return None
 
 
+def recompute_needs_training(node: Node, agent) -> str | None:
+    if recomputes(node) and not getattr(agent, "trainable", False):
+        return (f"node {node.name!r} has recompute=True but agent {node.agents[0]!r} is frozen: its log-probs are "
+                f"always computed by the learner (recompute applies to a trainable agent's old log-probs)")
+    return None
+
+
+def _describe_logprobs(node: Node, impl: str) -> str:
+    if not recomputes(node):
+        return ""
+    return (f"%{node.name}: old log-probs recomputed in prepare (the proximal policy: no gradient, weights at the "
+            f"start of the step); mismatch/* compare them with the engine's sampling log-probs")
+
+
 SPECS = (
     OpSpec("logprobs", Role.FORWARD, (Output("logprobs", Kind.TOKENS),),
            (Impl("torch-chunked", prepare=logprobs_prepare, learn=logprobs_learn),), locality="batch",
+           agent_check=recompute_needs_training, describe=_describe_logprobs,
            doc="per-token log-probs of the completions under an agent (B, T)"),
     OpSpec("values", Role.FORWARD, (Output("values", Kind.TOKENS),),
            (Impl("torch", prepare=values_prepare, learn=values_learn),), locality="batch",
