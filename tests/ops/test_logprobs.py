@@ -172,6 +172,41 @@ def test_autograd_graph_saves_no_rows_by_vocab_tensor():
     assert h.grad.shape == (B, T, H) and w.grad.shape == (V, H) and b.grad.shape == (V,)
 
 
+@pytest.mark.parametrize("chunk_size,last_rows", [(16, 16), (24, 16), (1024, 64)])  # N = 64 rows
+def test_without_an_entropy_gradient_the_last_chunks_probabilities_are_kept(chunk_size, last_rows):
+    # No entropy gradient (the learner's case): the forward keeps its last chunk's softmax (C,V) so
+    # the backward need not recompute those logits; never more than one chunk (the whole batch when
+    # it fits one: 1024 > 64 rows).
+    B, T, H, V = 4, 16, 8, 128
+    h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
+    for kw in ({}, {"return_entropy": True, "entropy_grad": False}):
+        shapes, _ = _saved_shapes(lambda: token_logprobs(h, w, y, bias=b, chunk_size=chunk_size, **kw))
+        assert sorted(shapes) == sorted([(B * T, H), (V, H), (V,), (B * T,), (B * T,), (last_rows, V)])
+        assert max(math.prod(s) for s in shapes if s[-1] == V) <= min(chunk_size, B * T) * V
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])  # one row, ragged last chunk (14 = 4+4+4+2), one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kept_chunk_gives_the_same_bits_as_recomputing_it(chunk_size, dtype):
+    # entropy_grad=True with a zero entropy gradient recomputes every chunk's logits in backward
+    # (z is needed) and subtracts an exact zero: the kept-probabilities path must match it bit for bit.
+    h, w, b, y = _inputs(dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(2, 7, generator=g, dtype=dtype)
+    kept_logp, kept_ent = token_logprobs(h, w, y, bias=b, temperature=0.7, chunk_size=chunk_size,
+                                         return_entropy=True, entropy_grad=False)
+    kept = torch.autograd.grad((kept_logp * up).sum(), (h, w, b))
+    logp, ent = token_logprobs(h, w, y, bias=b, temperature=0.7, chunk_size=chunk_size, return_entropy=True)
+    recomputed = torch.autograd.grad((logp * up).sum() + (ent * 0.0).sum(), (h, w, b))
+    assert torch.equal(kept_logp, logp) and torch.equal(kept_ent, ent.detach())
+    for a, c in zip(kept, recomputed):
+        assert torch.equal(a, c)
+    if dtype == torch.float64:  # and both are the naive full-logits gradient
+        ref_logp, _ = _naive(h, w, b, y, 0.7)
+        for a, c in zip(kept, torch.autograd.grad((ref_logp * up).sum(), (h, w, b))):
+            torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
+
+
 def test_no_op_in_forward_or_backward_makes_a_rows_by_vocab_tensor():
     # Stronger than the saved-tensor check: record the output size of every aten op run in the
     # forward and the backward. With N = 64 rows, chunk 16, V = 128, the biggest op output may be
