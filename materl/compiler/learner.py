@@ -73,7 +73,7 @@ class Learner:
             if role is Role.FORWARD and (name in plan.prepare or name in plan.live):
                 impl = plan.impl(name)
                 out = await compute.acall(impl.prepare, self, plan.nodes[name], live=name in plan.live)
-                for ep, row in zip(self.episodes, out):
+                for ep, row in zip(self.episodes, out if out is not None else ()):  # None: learn stores them
                     ep.store(name, row)
             elif name in plan.prepare:
                 for ep, value in zip(self.episodes, await call_batch(self.run, name, self.episodes)):
