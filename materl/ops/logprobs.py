@@ -1,6 +1,6 @@
 """Token log-probs of sampled tokens, from hidden states (chunked, memory-bounded) or logits.
 
-``token_logprobs`` fuses the LM head with the log-softmax: it never holds the (B,T,V) logits.
+``token_logprobs`` fuses the LM head with the log-softmax: it never holds more than one chunk of the logits.
 Rows of the flattened (B*T, H) hidden states are processed ``chunk_size`` at a time, and a
 custom autograd Function recomputes each chunk's logits in backward, except the last chunk's,
 whose probabilities the forward keeps: the autograd graph saves the inputs, two (B*T,) vectors
