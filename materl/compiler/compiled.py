@@ -57,6 +57,16 @@ def _is_agent(x: Any) -> bool:
     return isinstance(x, Agent)
 
 
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """``torch.nn.utils.clip_grad_norm_`` (same norm, same scaled gradients, bit for bit) that
+    skips the scaling pass when its coefficient clamps to 1: that pass multiplies every gradient
+    by 1.0, a read and a write of all of them (1 GB for a 135M model in fp32) for nothing."""
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) != 1.0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
 class Compiled:
     def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions, *, rollout_only: bool = False):
         self.recipe = recipe
@@ -225,7 +235,7 @@ class Compiled:
         for opt in self.optimizers.values():
             params = [p for g in opt.param_groups for p in g["params"]]
             if self.options.max_grad_norm is not None:
-                norms.append(float(torch.nn.utils.clip_grad_norm_(params, self.options.max_grad_norm)))
+                norms.append(clip_grad_norm(params, self.options.max_grad_norm))
             opt.step()
             opt.zero_grad(set_to_none=True)
         return max(norms, default=0.0)

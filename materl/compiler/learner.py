@@ -138,7 +138,7 @@ class Learner:
                 impl, node = plan.impl(name), plan.nodes[name]
                 run = self.partition.forward if self.run.agent(node).trainable else _call
                 out = await compute.acall(run, partial(impl.prepare, self, node, live=name in plan.live))
-                for ep, row in zip(self.episodes, out):
+                for ep, row in zip(self.episodes, out if out is not None else ()):  # None: learn stores them
                     ep.store(name, row)
             elif name in plan.prepare:
                 for ep, value in zip(self.episodes, await call_batch(self.run, name, self.episodes)):

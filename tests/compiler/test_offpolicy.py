@@ -48,7 +48,7 @@ def test_a_corrected_recipe_prints_compiles_and_trains(method, hp, tiny):
     assert str(toy_grpo().node("policy_logprobs")) == "%policy_logprobs = logprobs(@policy, %prompts, %completions) [batch]"
     step = compiled(recipe, tiny)
     explain = step.explain()
-    assert "%policy_logprobs: old log-probs recomputed in prepare" in explain
+    assert "%policy_logprobs: old log-probs recomputed by the learner" in explain
     assert f"%policy_loss: off-policy correction {method}(" in explain
     policy = step.agents["policy"]
     before = [p.detach().clone() for p in policy.parameters()]
@@ -217,3 +217,42 @@ def test_errors_name_what_is_wrong(tiny):
         @ml.recipe
         def bad(policy, prompts):
             ml.logprobs(policy, prompts, ml.generate(policy, prompts), recompute="yes")
+
+
+@pytest.mark.parametrize("batching", [{}, {"micro_batch_size": 3}])
+def test_one_update_per_batch_takes_the_proximal_logprobs_from_the_update_forward(batching, tiny, monkeypatch):
+    """One epoch, one mini-batch: the update's forward is the proximal policy's (same rows, same
+    weights), so no prepare forward runs, and the update, the metrics and the stored proximal
+    log-probs are bit for bit those of the path that recomputes them in prepare."""
+    from materl.compiler.kinds import forward
+    from materl.engines.hf import causal_lm_of
+
+    recipe = ml.with_off_policy_correction(toy_grpo(), "tis", cap=2.0)
+    runs, start, copies = [], None, None
+    for defer in (True, False):
+        if not defer:  # the unoptimised path: a no-gradient forward of every row in prepare
+            monkeypatch.setattr(forward, "defers_proximal", lambda learner, node: False)
+        step = compiled(recipe, tiny, **batching)
+        policy = step.agents["policy"]
+        if defer:
+            start = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+            episodes = step.call_blocking(step.rollout, PROMPTS)
+            copies = copy.deepcopy(episodes)
+        else:
+            policy.model.load_state_dict(start)
+            episodes = copies
+        calls = []
+        hook = causal_lm_of(policy.model).get_decoder().register_forward_hook(lambda *a: calls.append(1))
+        m = step.call_blocking(step.learn, episodes)
+        hook.remove()
+        runs.append((m, [p.detach().clone() for p in policy.parameters()],
+                     [ep.values["policy_logprobs"] for ep in episodes], len(calls)))
+        step.close()
+    (m_d, params_d, prox_d, calls_d), (m_r, params_r, prox_r, calls_r) = runs
+    assert 0 < calls_d and calls_r == 2 * calls_d  # the prepare's forward is gone
+    assert m_d["policy_loss/ppo_kl"] == 0.0 and MISMATCH <= m_d.keys()
+    learned = [k for k in m_r if not k.startswith("time/") and k != "step"]  # (only the first did a rollout)
+    assert {k: m_d[k] for k in learned} == {k: m_r[k] for k in learned}
+    assert all(torch.equal(a, b) for a, b in zip(prox_d, prox_r))
+    assert all(torch.equal(a, b) for a, b in zip(params_d, params_r))
+    assert any(not torch.equal(a, start_p) for a, start_p in zip(params_d, [start[n] for n, _ in policy.named_parameters()]))

@@ -92,6 +92,54 @@ def test_frozen_head_gives_no_weight_grad():
     torch.testing.assert_close(h.grad, hh.grad, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_frozen_head_forms_the_hidden_gradient_in_the_forward_float64(temperature, chunk_size):
+    # Frozen weight and bias, entropy a metric: the gradient w.r.t. hidden is formed in the
+    # forward from (W[y] - p @ W) / temperature. It must equal the recompute path (entropy_grad
+    # left on, same frozen head) and the naive full-logits path, in float64.
+    h, w, b, y = _inputs()
+    w, b = w.detach(), b.detach()
+    up = torch.randn(2, 7, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    logp, ent = token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size,
+                               return_entropy=True, entropy_grad=False)
+    assert logp.requires_grad and not ent.requires_grad
+    (g_eager,) = torch.autograd.grad((logp * up).sum(), h)
+    logp_r, ent_r = token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size,
+                                   return_entropy=True)
+    (g_recompute,) = torch.autograd.grad((logp_r * up).sum(), h)
+    ref_logp, ref_ent = _naive(h, w, b, y, temperature)
+    (g_naive,) = torch.autograd.grad((ref_logp * up).sum(), h)
+    torch.testing.assert_close(logp, logp_r, rtol=0, atol=0)
+    torch.testing.assert_close(ent, ent_r.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-10)
+    torch.testing.assert_close(g_eager, g_recompute, rtol=0, atol=1e-12)
+    torch.testing.assert_close(g_eager, g_naive, rtol=0, atol=1e-12)
+
+
+def test_frozen_head_float32_matches_float64_within_float32_rounding():
+    h, w, b, y = _inputs(B=3, T=5, H=16, V=50)
+    w, b = w.detach(), b.detach()
+    h32 = h.detach().float().requires_grad_()
+    logp32 = token_logprobs(h32, w.float(), y, bias=b.float(), chunk_size=4, return_entropy=True,
+                            entropy_grad=False)[0]
+    logp32.sum().backward()
+    token_logprobs(h, w, y, bias=b, chunk_size=4).sum().backward()
+    assert h32.grad.dtype == torch.float32
+    torch.testing.assert_close(h32.grad.double(), h.grad, rtol=0, atol=1e-5 * float(h.grad.abs().max()))
+
+
+def test_entropy_without_gradient_on_a_trainable_head():
+    h, w, b, y = _inputs()
+    logp, ent = token_logprobs(h, w, y, bias=b, chunk_size=4, return_entropy=True, entropy_grad=False)
+    assert not ent.requires_grad
+    logp.sum().backward()
+    hh, ww, bb = (t.detach().requires_grad_() for t in (h, w, b))
+    _naive(hh, ww, bb, y, 1.0)[0].sum().backward()
+    for a, c in ((h, hh), (w, ww), (b, bb)):
+        torch.testing.assert_close(a.grad, c.grad, rtol=0, atol=1e-10)
+
+
 def _saved_shapes(fn):
     shapes = []
 
@@ -124,6 +172,41 @@ def test_autograd_graph_saves_no_rows_by_vocab_tensor():
     assert h.grad.shape == (B, T, H) and w.grad.shape == (V, H) and b.grad.shape == (V,)
 
 
+@pytest.mark.parametrize("chunk_size,last_rows", [(16, 16), (24, 16), (1024, 64)])  # N = 64 rows
+def test_without_an_entropy_gradient_the_last_chunks_probabilities_are_kept(chunk_size, last_rows):
+    # No entropy gradient (the learner's case): the forward keeps its last chunk's softmax (C,V) so
+    # the backward need not recompute those logits; never more than one chunk (the whole batch when
+    # it fits one: 1024 > 64 rows).
+    B, T, H, V = 4, 16, 8, 128
+    h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
+    for kw in ({}, {"return_entropy": True, "entropy_grad": False}):
+        shapes, _ = _saved_shapes(lambda: token_logprobs(h, w, y, bias=b, chunk_size=chunk_size, **kw))
+        assert sorted(shapes) == sorted([(B * T, H), (V, H), (V,), (B * T,), (B * T,), (last_rows, V)])
+        assert max(math.prod(s) for s in shapes if s[-1] == V) <= min(chunk_size, B * T) * V
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])  # one row, ragged last chunk (14 = 4+4+4+2), one chunk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_kept_chunk_gives_the_same_bits_as_recomputing_it(chunk_size, dtype):
+    # entropy_grad=True with a zero entropy gradient recomputes every chunk's logits in backward
+    # (z is needed) and subtracts an exact zero: the kept-probabilities path must match it bit for bit.
+    h, w, b, y = _inputs(dtype=dtype)
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(2, 7, generator=g, dtype=dtype)
+    kept_logp, kept_ent = token_logprobs(h, w, y, bias=b, temperature=0.7, chunk_size=chunk_size,
+                                         return_entropy=True, entropy_grad=False)
+    kept = torch.autograd.grad((kept_logp * up).sum(), (h, w, b))
+    logp, ent = token_logprobs(h, w, y, bias=b, temperature=0.7, chunk_size=chunk_size, return_entropy=True)
+    recomputed = torch.autograd.grad((logp * up).sum() + (ent * 0.0).sum(), (h, w, b))
+    assert torch.equal(kept_logp, logp) and torch.equal(kept_ent, ent.detach())
+    for a, c in zip(kept, recomputed):
+        assert torch.equal(a, c)
+    if dtype == torch.float64:  # and both are the naive full-logits gradient
+        ref_logp, _ = _naive(h, w, b, y, 0.7)
+        for a, c in zip(kept, torch.autograd.grad((ref_logp * up).sum(), (h, w, b))):
+            torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
+
+
 def test_no_op_in_forward_or_backward_makes_a_rows_by_vocab_tensor():
     # Stronger than the saved-tensor check: record the output size of every aten op run in the
     # forward and the backward. With N = 64 rows, chunk 16, V = 128, the biggest op output may be
@@ -151,6 +234,34 @@ def test_no_op_in_forward_or_backward_makes_a_rows_by_vocab_tensor():
     with Sizes() as naive:
         sum(_naive(h, w, b, y, 1.0)).sum().backward()
     assert max(naive.numels) == B * T * V  # the probe sees full logits when they exist
+
+
+def test_frozen_head_saves_one_rows_by_hidden_tensor_and_makes_no_rows_by_vocab_tensor():
+    # The eager path saves dlogp/dh (N,H) alone; every op output is at most one chunk's logits.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.numels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.numels.append(t.numel())
+            return out
+
+    B, T, H, V = 4, 16, 8, 128
+    h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
+    w, b = w.detach(), b.detach()
+    shapes, (logp, _) = _saved_shapes(
+        lambda: token_logprobs(h, w, y, bias=b, chunk_size=16, return_entropy=True, entropy_grad=False))
+    assert shapes == [(B * T, H)]
+    with Sizes() as sizes:
+        logp, _ = token_logprobs(h, w, y, bias=b, chunk_size=16, return_entropy=True, entropy_grad=False)
+        logp.sum().backward()
+    assert sizes.numels and max(sizes.numels) == 16 * V
 
 
 def test_bfloat16_inputs_give_float32_logp_and_bf16_grads():

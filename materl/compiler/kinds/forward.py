@@ -5,8 +5,11 @@ A trainable agent's log-probs are computed twice: in prepare they are the old lo
 PPO-style ratios, and in each micro-batch a forward with gradient. The old log-probs are the
 sampling log-probs the engine returned (no forward pass), or with ``recompute=True`` a
 no-gradient forward under the weights at the start of the step: the proximal policy that
-off-policy corrections anchor on (``ml.with_off_policy_correction`` sets it). A frozen agent's
-log-probs (the reference) are one no-gradient forward.
+off-policy corrections anchor on (``ml.with_off_policy_correction`` sets it). When the step takes
+one optimizer step per batch over the prepare's micro-batches (``defers_proximal``), that forward
+is not run: the update's first forward is the same computation on the same rows under the same
+weights, so its detached log-probs are stored as the proximal ones (same bits; the PPO ratio is
+then exactly 1). A frozen agent's log-probs (the reference) are one no-gradient forward.
 
 The engine-vs-learner mismatch (``mismatch/mean_abs``, ``mismatch/max_abs``, ``mismatch/kl``,
 ``mismatch/kl_k1``: ``materl.ops.offpolicy.logprob_mismatch`` over trained tokens) is a metric of
@@ -33,11 +36,13 @@ def temperature(learner, node: Node) -> float:
 
 
 def forward_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool = False):
+    """Log-probs (B, T) with gradient, and with ``entropy`` the entropy as a metric (no gradient:
+    with a frozen LM head the hidden-state gradient is then formed in the forward)."""
     o = learner.run.options
     hidden = completion_hidden(agent, sb, share_prompts=o.share_prompts)
     weight, bias = agent.output_embedding()
     return token_logprobs(hidden, weight, sb.completion_ids, bias=bias, temperature=temp,
-                          chunk_size=o.logprob_chunk_size, return_entropy=entropy)
+                          chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
 
 
 def forward_values(learner, agent, sb: SeqBatch) -> Tensor:
@@ -57,9 +62,25 @@ def recomputes(node: Node) -> bool:
     return bool(node.params.get("recompute"))
 
 
-def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor:
+def defers_proximal(learner, node: Node) -> bool:
+    """Whether the proximal log-probs of a ``recompute=True`` node come from the update's own
+    forward instead of a prepare forward: one epoch, one mini-batch and no shuffling (so the
+    update's micro-batches are the prepare's rows, all under the weights at the start of the step)
+    and no prepare node reads them; one process (learner ranks each run a share of the rows)."""
+    from materl.compiler.learner import WholeBatch
+
+    o, plan, n = learner.run.options, learner.plan, len(learner.episodes)
+    return (recomputes(node) and node.name in plan.live and o.epochs == 1 and not o.shuffle
+            and isinstance(learner.partition, WholeBatch)
+            and (o.mini_batch_size or n) >= n
+            and not any(node.name in plan.nodes[p].input_nodes for p in plan.prepare))
+
+
+def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor | None:
     if live and not recomputes(node):
         return learner.seq_batch(node).old_logprobs  # the sampling log-probs are the old log-probs
+    if defers_proximal(learner, node):
+        return None  # logprobs_learn stores them
     agent = learner.run.agent(node)
     logp = _no_grad(learner, node, lambda sb: forward_logprobs(learner, agent, sb, temp=temperature(learner, node)))
     if recomputes(node) and _sampled(learner, node):
@@ -83,6 +104,12 @@ def logprobs_learn(learner, node: Node, rows, get, denoms):
     logp, ent = forward_logprobs(learner, learner.run.agent(node), sb, temp=temperature(learner, node), entropy=True)
     if learner.updates == 0 and not recomputes(node) and _sampled(learner, node):
         _gather_mismatch(learner, node, sb, logp)
+    elif defers_proximal(learner, node):
+        proximal = logp.detach().float()  # as prepare would have stored them
+        for i, row in zip(rows.tolist(), proximal):
+            learner.episodes[i].store(node.name, row)
+        if _sampled(learner, node):
+            _gather_mismatch(learner, node, sb, proximal)
     return logp, {"entropy": float((ent.detach() * sb.mask).sum() / sb.mask.sum().clamp(min=1))}
 
 
@@ -134,8 +161,10 @@ def recompute_needs_training(node: Node, agent) -> str | None:
 def _describe_logprobs(node: Node, impl: str) -> str:
     if not recomputes(node):
         return ""
-    return (f"%{node.name}: old log-probs recomputed in prepare (the proximal policy: no gradient, weights at the "
-            f"start of the step); mismatch/* compare them with the engine's sampling log-probs")
+    return (f"%{node.name}: old log-probs recomputed by the learner (the proximal policy: no gradient, weights at "
+            f"the start of the step; a prepare forward, or the update's own forward, detached, when a step makes "
+            f"one optimizer step per batch in one process); mismatch/* compare them with the engine's sampling "
+            f"log-probs")
 
 
 SPECS = (
