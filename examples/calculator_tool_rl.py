@@ -5,16 +5,16 @@
 The policy is the real SmolLM2-135M-Instruct (full fine-tune, AdamW), trained with multi-turn GRPO
 (``recipes/grpo_tools.py``) against the shipped calculator server
 (``python -m materl.tools.calculator``, spoken to over MCP stdio). Questions are generated in
-code (``examples/arithmetic.py``) and said in words: "Subtract 7311 from 65125." and "What is
-the sum of 6306 and 34936?", with 4-5 digit numbers that a 135M model cannot add or subtract in
-its head. Prompted, it often skips the tool and answers from memory ("The sum of 9271 and 34432
+code (``examples/arithmetic.py``) and said in words: "Subtract 5104 from 79804.", "What is the
+sum of 56125 and 6306?", "Multiply 242 by 46, then subtract 3289.", with numbers that a 135M
+model cannot add, subtract or multiply in its head. Prompted, it often skips the tool and answers from memory ("The sum of 9271 and 34432
 is 219889."); RL teaches it to call ``calculate`` with the right expression and copy the result.
 
 Each episode has two model turns: a tool call, then the answer after the tool's result. The
 prompt is a system line with the exact call format plus two worked examples as chat turns (one
 in symbols, one in words); episodes are sampled at temperature 0.7 (at 1.0, on a harder mix of
-worded questions, nearly every sampled call was malformed and no group had a right answer to
-learn from: the run learned to stop calling the tool).
+worded questions, every sampled call of the first two steps was malformed and no group had a
+right answer to learn from: the run learned to stop calling the tool).
 
 The tool schemas are kept out of the chat template (``show_schemas=False``): the system line
 describes the one tool instead, which halves the tokens per row and so the learner's time.
