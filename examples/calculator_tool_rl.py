@@ -1,17 +1,20 @@
 """Tool-use RL on a CPU: SmolLM2-135M-Instruct learns to use a calculator MCP server.
 
-    python examples/calculator_tool_rl.py            # ~4 min on 2 CPU cores
+    python examples/calculator_tool_rl.py            # minutes on 2 CPU cores (figures in the README)
 
 The policy is the real SmolLM2-135M-Instruct (full fine-tune, AdamW), trained with multi-turn GRPO
 (``recipes/grpo_tools.py``) against the shipped calculator server
 (``python -m materl.tools.calculator``, spoken to over MCP stdio). Questions are generated in
-code (``examples/arithmetic.py``: 3-4 digit x 2-3 digit products, three-term sums, a * b + c),
-which a 135M model cannot do in its head: it must call ``calculate`` and copy the result.
+code (``examples/arithmetic.py``) and said in words: "Subtract 5104 from 79804.", "What is the
+sum of 56125 and 6306?", "Multiply 242 by 46, then subtract 3289.", with numbers that a 135M
+model cannot add, subtract or multiply in its head. Prompted, it often skips the tool and answers from memory ("The sum of 9271 and 34432
+is 219889."); RL teaches it to call ``calculate`` with the right expression and copy the result.
 
 Each episode has two model turns: a tool call, then the answer after the tool's result. The
-prompt is a system line with the exact call format plus two worked examples as chat turns;
-the model then imitates the format only some of the time (wrong tool names, unquoted or
-truncated JSON, no call at all), and RL makes the format and the copying reliable.
+prompt is a system line with the exact call format plus two worked examples as chat turns (one
+in symbols, one in words); episodes are sampled at temperature 0.7 (at 1.0, on a harder mix of
+worded questions, every sampled call of the first two steps was malformed and no group had a
+right answer to learn from: the run learned to stop calling the tool).
 
 The tool schemas are kept out of the chat template (``show_schemas=False``): the system line
 describes the one tool instead, which halves the tokens per row and so the learner's time.
@@ -35,7 +38,7 @@ from arithmetic import train_test_split  # noqa: E402
 from materl.recipes.grpo_tools import grpo_tools_recipe  # noqa: E402
 
 SEED, STEPS, BATCH, GROUP = 0, 12, 2, 4  # 12 steps x 2 questions x 4 episodes each
-LR, MAX_NEW_TOKENS, TURNS, TEMPERATURE = 3e-5, 64, 2, 1.0  # a 3-term call is ~46 tokens
+LR, MAX_NEW_TOKENS, TURNS, TEMPERATURE = 3e-5, 64, 2, 0.7  # a 3-term call is ~46 tokens
 SYSTEM = ('Use the calculate tool: reply with <tool_call>{"name": "calculate", "arguments": '
           '{"expression": "..."}}</tool_call>, then answer with its result.')
 
@@ -50,7 +53,7 @@ def worked_example(question: str, expression: str, result: int) -> list[dict]:
 
 
 EXAMPLES = worked_example("What is 123 * 45?", "123 * 45", 5535) + worked_example(
-    "Compute 2048 + 3771 + 905.", "2048 + 3771 + 905", 6724)
+    "Multiply 204 by 31, then add 905.", "204 * 31 + 905", 7229)
 
 
 def as_chat(rows: list[dict]) -> list[dict]:
