@@ -5,16 +5,18 @@
 The policy is the real SmolLM2-135M-Instruct (full fine-tune, AdamW), trained with multi-turn GRPO
 (``recipes/grpo_tools.py``) against the shipped calculator server
 (``python -m materl.tools.calculator``, spoken to over MCP stdio). Questions are generated in
-code (``examples/arithmetic.py``) and said in words: "Subtract 5104 from 79804.", "What is the
-sum of 56125 and 6306?", "Multiply 242 by 46, then subtract 3289.", with numbers that a 135M
-model cannot add, subtract or multiply in its head. Prompted, it often skips the tool and answers from memory ("The sum of 9271 and 34432
-is 219889."); RL teaches it to call ``calculate`` with the right expression and copy the result.
+code (``examples/arithmetic.py``) and said in words: "Subtract 9376 from 73691." and "What is
+the sum of 56125 and 6306?", with numbers that a 135M model cannot add or subtract in its head.
+Prompted, it answers every sum from memory, without the tool ("The sum of 58394 and 65987 is
+14455."); RL teaches it to call ``calculate`` with the right expression and copy the result.
 
 Each episode has two model turns: a tool call, then the answer after the tool's result. The
-prompt is a system line with the exact call format plus two worked examples as chat turns (one
-in symbols, one in words); episodes are sampled at temperature 0.7 (at 1.0, on a harder mix of
-worded questions, every sampled call of the first two steps was malformed and no group had a
-right answer to learn from: the run learned to stop calling the tool).
+prompt is a system line with the exact call format plus two worked examples as chat turns (a
+product in symbols, and a subtraction in words, which fixes the order of its operands: trained
+in a run without it, the model learned to write "a - b" for "Subtract a from b."); episodes are sampled at
+temperature 0.7. The format reward is paid only for a call that works
+(``format_needs_success=True``): paid for any well-formed call, a run on these questions learned
+well-formed calls that the tool rejected.
 
 The tool schemas are kept out of the chat template (``show_schemas=False``): the system line
 describes the one tool instead, which halves the tokens per row and so the learner's time.
@@ -53,7 +55,7 @@ def worked_example(question: str, expression: str, result: int) -> list[dict]:
 
 
 EXAMPLES = worked_example("What is 123 * 45?", "123 * 45", 5535) + worked_example(
-    "Multiply 204 by 31, then add 905.", "204 * 31 + 905", 7229)
+    "Subtract 905 from 6324.", "6324 - 905", 5419)
 
 
 def as_chat(rows: list[dict]) -> list[dict]:
@@ -69,7 +71,7 @@ def main() -> None:
     t0 = time.perf_counter()
     train_rows, test_rows = train_test_split(STEPS * BATCH, 32, seed=SEED)
     recipe = grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"), turns=TURNS, show_schemas=False,
-                               format_as_step=False)
+                               format_as_step=False, format_needs_success=True)
     policy = ml.Agent("smollm2-135m-instruct", trainable=True)
     step = ml.compile(recipe, policy=policy, group_size=GROUP, max_new_tokens=MAX_NEW_TOKENS, lr=LR,
                       temperature=TEMPERATURE, system_prompt=SYSTEM, max_turns=TURNS, seed=SEED)

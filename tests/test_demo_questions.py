@@ -33,16 +33,16 @@ arithmetic = _load("arithmetic")
 def test_rows_of_seed_0_computed_by_hand():
     rows = arithmetic.arithmetic_rows(6, seed=0)
     assert rows[0] == {"prompt": "What is the sum of 56125 and 6306?", "answer": "62431",
-                       "expression": "56125 + 6306"}
-    assert rows[4] == {"prompt": "Multiply 242 by 46, then subtract 3289.", "answer": "7843",
-                       "expression": "242 * 46 - 3289"}  # 242 * 46 = 11132; - 3289 = 7843
-    assert rows[5] == {"prompt": "Subtract 5104 from 79804.", "answer": "74700",
-                       "expression": "79804 - 5104"}  # the operands reversed: 79804 - 5104
+                       "expression": "56125 + 6306"}  # 56125 + 6306 = 62431
+    assert rows[1] == {"prompt": "Subtract 9376 from 73691.", "answer": "64315",
+                       "expression": "73691 - 9376"}  # the operands reversed: 73691 - 9376 = 64315
+    assert rows[5] == {"prompt": "What is the sum of 33834 and 70804?", "answer": "104638",
+                       "expression": "33834 + 70804"}  # 33834 + 70804 = 104638
 
 
 def test_every_answer_is_the_calculators_value_and_the_question_holds_the_expressions_numbers():
     rows = arithmetic.arithmetic_rows(200, seed=5)
-    assert {r["prompt"].split()[0] for r in rows} == {"Subtract", "What", "Multiply"}
+    assert {r["prompt"].split()[0] for r in rows} == {"Subtract", "What"}
     for r in rows:
         assert str(evaluate(r["expression"])) == r["answer"], r
         assert sorted(re.findall(r"\d+", r["prompt"])) == sorted(re.findall(r"\d+", r["expression"])), r
