@@ -6,14 +6,20 @@ import warnings
 
 import pytest
 import torch
+from materl.recipes import grpo
 
 import materl as ml
 from materl.compiler.spec import OPS, Impl, Kind, OpSpec, Output, Role
-from materl.errors import CompileError, DuplicateNameError, RecipeError, RecipeWarning, StepFailedError
+from materl.errors import (
+    CompileError,
+    DuplicateNameError,
+    RecipeError,
+    RecipeWarning,
+    StepFailedError,
+)
 from materl.graph.trace import ROLLOUT_OPS
 from materl.kernels import loader
 from materl.ops.advantages import ADVANTAGES, group_statistics
-from materl.recipes import grpo
 
 
 def tiny(trainable=False, **kw):

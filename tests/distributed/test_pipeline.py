@@ -11,6 +11,7 @@ import time
 import anyio
 import pytest
 import torch
+from materl.recipes import grpo
 
 import materl as ml
 from materl.compiler.episode import Episode
@@ -18,7 +19,6 @@ from materl.distributed.launch import rollout_copy
 from materl.distributed.pipeline import Pipeline
 from materl.distributed.versions import InProcessStore, version_state
 from materl.distributed.workers import Job, LocalWorker
-from materl.recipes import grpo
 from materl.rollout.env import EnvStep
 from materl.runtime.data import Sampler
 from materl.runtime.tasks import arithmetic_rows

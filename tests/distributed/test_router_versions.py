@@ -6,7 +6,12 @@ import torch
 
 import materl as ml
 from materl.distributed.router import Router
-from materl.distributed.versions import DiskStore, InProcessStore, load_version, version_state
+from materl.distributed.versions import (
+    DiskStore,
+    InProcessStore,
+    load_version,
+    version_state,
+)
 from materl.errors import ConfigError
 
 
