@@ -152,6 +152,14 @@ class WaitsForNewWeights:
         return self.turn >= 2
 
 
+def publish_next(step, store, version):
+    """The learner moves on: nudge the policy's weights and publish them as ``version``."""
+    with torch.no_grad():
+        for p in step.agents["policy"].parameters():
+            p.add_(0.01)
+    store.publish(version, version_state(step.agents, ["policy"]))
+
+
 @ml.recipe
 def two_turns(policy, prompts):
     rollout = ml.env_rollout(policy, WaitsForNewWeights, prompts, max_turns=2, name="rollout")
@@ -168,10 +176,7 @@ def test_partial_rollouts_continue_on_new_weights(partial, oldest):
     step = ml.compile(two_turns, policy=ml.Agent("tiny-random", trainable=True), group_size=1, max_new_tokens=4)
     store = InProcessStore()
     store.publish(0, version_state(step.agents, ["policy"]))
-    with torch.no_grad():
-        for p in step.agents["policy"].parameters():
-            p.add_(0.01)
-    store.publish(1, version_state(step.agents, ["policy"]))
+    publish_next(step, store, 1)
     copy = rollout_copy(step.agents["policy"], deterministic=False)
     worker = LocalWorker(step.context(), {"policy": copy}, store=store, partial_rollouts=partial)
     order = []
@@ -221,12 +226,6 @@ def test_a_worker_that_must_move_moves_to_the_newest_version(move_to_newest):
     copy = rollout_copy(step.agents["policy"], deterministic=False)
     worker = LocalWorker(step.context(), {"policy": copy}, store=store, move_to_newest=move_to_newest)
 
-    def publish_next(version):
-        with torch.no_grad():
-            for p in step.agents["policy"].parameters():
-                p.add_(0.01)
-        store.publish(version, version_state(step.agents, ["policy"]))
-
     async def main():
         WaitsForNewWeights.waiting, WaitsForNewWeights.release = anyio.Event(), anyio.Event()
         results: dict[int, list[Episode]] = {}
@@ -237,10 +236,10 @@ def test_a_worker_that_must_move_moves_to_the_newest_version(move_to_newest):
 
             tg.start_soon(job, 0, "first")
             await WaitsForNewWeights.waiting.wait()
-            publish_next(1)
+            publish_next(step, store, 1)
             tg.start_soon(job, 1, "second")
             await wait_until(lambda: worker.waiting.get(1) == 1)  # held back: version 0 is still in use
-            publish_next(2)
+            publish_next(step, store, 2)
             WaitsForNewWeights.release.set()
         return results
 
