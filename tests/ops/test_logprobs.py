@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from materl.errors import ConfigError, ShapeError
 from materl.ops.logprobs import logprobs_from_logits, token_logprobs
@@ -207,58 +208,45 @@ def test_the_kept_chunk_gives_the_same_bits_as_recomputing_it(chunk_size, dtype)
             torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
 
 
+class OpSizes(TorchDispatchMode):
+    """Records the number of elements of every aten op's output while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numels.append(t.numel())
+        return out
+
+
 def test_no_op_in_forward_or_backward_makes_a_rows_by_vocab_tensor():
     # Stronger than the saved-tensor check: record the output size of every aten op run in the
     # forward and the backward. With N = 64 rows, chunk 16, V = 128, the biggest op output may be
     # one chunk's logits (16*128 = 2048 elements), never the full (N,V) = 8192.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Sizes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.numels.append(t.numel())
-            return out
-
     B, T, H, V = 4, 16, 8, 128
     h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
-    with Sizes() as chunked:
+    with OpSizes() as chunked:
         logp, ent = token_logprobs(h, w, y, bias=b, chunk_size=16, return_entropy=True)
         (logp.sum() + ent.sum()).backward()
     assert chunked.numels and max(chunked.numels) == 16 * V
-    with Sizes() as naive:
+    with OpSizes() as naive:
         sum(_naive(h, w, b, y, 1.0)).sum().backward()
     assert max(naive.numels) == B * T * V  # the probe sees full logits when they exist
 
 
 def test_frozen_head_saves_one_rows_by_hidden_tensor_and_makes_no_rows_by_vocab_tensor():
     # The eager path saves dlogp/dh (N,H) alone; every op output is at most one chunk's logits.
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Sizes(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.numels = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
-                    self.numels.append(t.numel())
-            return out
-
     B, T, H, V = 4, 16, 8, 128
     h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
     w, b = w.detach(), b.detach()
     shapes, (logp, _) = _saved_shapes(
         lambda: token_logprobs(h, w, y, bias=b, chunk_size=16, return_entropy=True, entropy_grad=False))
     assert shapes == [(B * T, H)]
-    with Sizes() as sizes:
+    with OpSizes() as sizes:
         logp, _ = token_logprobs(h, w, y, bias=b, chunk_size=16, return_entropy=True, entropy_grad=False)
         logp.sum().backward()
     assert sizes.numels and max(sizes.numels) == 16 * V
