@@ -61,11 +61,44 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def token_inputs(lm: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What the decoder of ``lm`` gets for ``ids``: ``{"input_ids": ids}``, or, where the input
+    embedding is a plain trainable ``nn.Embedding`` (full fine-tuning), ``{"inputs_embeds": ...}``:
+    the same lookup, whose gradient rows are added into ``weight.grad`` in place.
+
+    The dense backward of an embedding zero-fills a (V, H) gradient (113 MB for SmolLM2-135M) to
+    add a few hundred rows into it, and with tied weights (SmolLM2, Qwen2-0.5B) autograd then adds
+    that into the LM head's (V, H) gradient. Here the lookup reads a detached alias of the weight
+    (same storage, its own leaf) with ``sparse=True``; when the alias's row gradient is complete
+    a hook adds it into ``weight.grad`` (or makes it the dense gradient if there is none yet), so
+    ``weight.grad`` ends dense and equal to the dense lookup's, with no (V, H) temporary at the
+    end of the backward, the step's memory peak. Not taken without gradients or under
+    ``torch.distributed`` (DDP and FSDP2 reduce each parameter's gradient from autograd's hooks).
+    """
+    emb = lm.get_input_embeddings()
+    w = getattr(emb, "weight", None)
+    if not (type(emb) is torch.nn.Embedding and torch.is_grad_enabled() and w.requires_grad
+            and not torch.distributed.is_initialized()):
+        return {"input_ids": ids}
+    alias = w.detach().requires_grad_()
+    alias.register_post_accumulate_grad_hook(functools.partial(_add_rows, w))
+    return {"inputs_embeds": torch.nn.functional.embedding(
+        ids, alias, emb.padding_idx, emb.max_norm, emb.norm_type, emb.scale_grad_by_freq, sparse=True)}
+
+
+def _add_rows(weight: torch.Tensor, alias: torch.Tensor) -> None:
+    rows, alias.grad = alias.grad, None
+    if weight.grad is None:
+        weight.grad = rows.to_dense()
+    else:
+        weight.grad.add_(rows)
+
+
 def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow."""
-    decoder = causal_lm_of(model).get_decoder()
-    out = decoder(
-        input_ids=input_ids, attention_mask=attention_mask,
+    lm = causal_lm_of(model)
+    out = lm.get_decoder()(
+        **token_inputs(lm, input_ids), attention_mask=attention_mask,
         position_ids=position_ids_from_mask(attention_mask), use_cache=False,
     )
     return out.last_hidden_state
@@ -98,7 +131,7 @@ def shared_prefix_hidden_states(
     lm = causal_lm_of(model)
     decoder = lm.get_decoder()
     cache = DynamicCache(config=lm.config)
-    prefix = decoder(input_ids=prefix_ids, attention_mask=prefix_mask,
+    prefix = decoder(**token_inputs(lm, prefix_ids), attention_mask=prefix_mask,
                      position_ids=position_ids_from_mask(prefix_mask), use_cache=True, **cache_kwargs(decoder, cache))
     prompt_len_B = prefix_mask.sum(-1)[owner]
     last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
@@ -106,7 +139,7 @@ def shared_prefix_hidden_states(
         return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
     cache.batch_select_indices(owner)
     steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
-    suffix = decoder(input_ids=suffix_ids, attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
+    suffix = decoder(**token_inputs(lm, suffix_ids), attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
                      position_ids=prompt_len_B[:, None] + steps_S[None, :], use_cache=True,
                      **cache_kwargs(decoder, cache))
     return last_B_H, suffix.last_hidden_state
