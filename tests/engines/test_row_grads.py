@@ -6,18 +6,18 @@ import copy
 
 import pytest
 import torch
+from materl.recipes import grpo
 from transformers import LlamaForCausalLM
 
 import materl as ml
 from materl.engines import hf
 from materl.engines.models import load_model
 from materl.engines.value_head import ValueHeadModel
-from materl.recipes import grpo
 from tests.tolerance import assert_close_to_scale, assert_same_update
 
 
-def _tied(dtype=torch.float64, tied: bool = True):
-    """tiny-random's shape with the LM head tied to the input embedding (as SmolLM2's is)."""
+def _llama(dtype=torch.float64, tied: bool = True):
+    """tiny-random's shape, by default with the LM head tied to the input embedding (as SmolLM2's is)."""
     base, tok = load_model("tiny-random")
     config = copy.deepcopy(base.config)
     config.tie_word_embeddings = tied
@@ -41,9 +41,14 @@ def _loss(model, hidden):
     return -(logp[..., 104] + 0.5 * logp[..., 259]).sum()
 
 
+def _plain_lookup(lm, ids):
+    """``token_inputs`` as it was before row gradients: the decoder embeds the ids itself."""
+    return {"input_ids": ids}
+
+
 def _grads(model, shared: bool, rows: bool, monkeypatch, micro_batches: int = 1):
-    if not rows:  # the plain lookup, as before token_inputs
-        monkeypatch.setattr(hf, "token_inputs", lambda lm, ids: {"input_ids": ids})
+    if not rows:
+        monkeypatch.setattr(hf, "token_inputs", _plain_lookup)
     model.zero_grad(set_to_none=True)
     for _ in range(micro_batches):  # gradient accumulation: the rows add into the kept gradient
         if shared:
@@ -61,7 +66,7 @@ def _grads(model, shared: bool, rows: bool, monkeypatch, micro_batches: int = 1)
 @pytest.mark.parametrize("shared", [False, True], ids=["full-rows", "shared-prompts"])
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_row_gradients_equal_the_dense_lookups_and_stay_dense(shared, tied, micro_batches, monkeypatch):
-    model, _ = _tied(tied=tied)
+    model, _ = _llama(tied=tied)
     rows = _grads(model, shared, True, monkeypatch, micro_batches)
     dense = _grads(model, shared, False, monkeypatch, micro_batches)
     assert rows.keys() == dense.keys()
@@ -77,7 +82,7 @@ def test_row_gradients_equal_the_dense_lookups_and_stay_dense(shared, tied, micr
 
 
 def test_plain_lookup_where_no_embedding_gradient_is_taken():
-    model, _ = _tied(torch.float32)
+    model, _ = _llama(torch.float32)
     ids = PREFIX[:1]
     assert set(hf.token_inputs(model, ids)) == {"inputs_embeds"}
     with torch.no_grad():
@@ -87,7 +92,7 @@ def test_plain_lookup_where_no_embedding_gradient_is_taken():
 
 
 def test_a_value_head_on_a_tied_backbone_gets_a_dense_gradient():
-    model, _ = _tied(torch.float32)
+    model, _ = _llama(torch.float32)
     critic = ValueHeadModel.wrap(model)  # what head="value" loads
     ids = torch.cat([PREFIX[OWNER], SUFFIX], dim=1)
     critic(ids, torch.ones_like(ids)).sum().backward()
@@ -96,13 +101,13 @@ def test_a_value_head_on_a_tied_backbone_gets_a_dense_gradient():
 
 
 def test_a_grpo_step_on_a_tied_policy_matches_the_dense_lookup(monkeypatch):
-    model, tok = _tied(torch.float32)
+    model, tok = _llama(torch.float32)
     before = [p.detach().clone() for p in model.parameters()]
 
     def step(row_grads: bool):
         policy = ml.Agent(copy.deepcopy(model), trainable=True, tokenizer=tok, engine="transformers")
         if not row_grads:
-            monkeypatch.setattr(hf, "token_inputs", lambda lm, ids: {"input_ids": ids})
+            monkeypatch.setattr(hf, "token_inputs", _plain_lookup)
         compiled = ml.compile(grpo, policy=policy, ref_policy=ml.Agent(copy.deepcopy(model), tokenizer=tok,
                                                                        engine="transformers"),
                               group_size=2, max_new_tokens=5, lr=1e-3, seed=3)
