@@ -104,19 +104,25 @@ def _check_temperature(temperature: float) -> None:
 
 
 def _chunk_logits(h_C_H: Tensor, weight_V_H: Tensor, bias_V: Tensor | None, temperature: float) -> Tensor:
-    """Tempered logits of one chunk, upcast to at least float32: (C,H) -> (C,V)."""
+    """Tempered logits of one chunk, upcast to at least float32: (C,H) -> (C,V), a new tensor
+    (the only (C,V) one a chunk allocates, see ``_ChunkedLogprobs``)."""
     logits = h_C_H @ weight_V_H.T if bias_V is None else torch.addmm(bias_V, h_C_H, weight_V_H.T)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    return logits / temperature if temperature != 1.0 else logits
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """Forward and backward of :func:`token_logprobs` over (N,H) rows, chunk by chunk.
 
-    Saved for backward: hidden (N,H), weight (V,H), bias (V,), targets (N,), logsumexp (N,), and
-    unless the entropy has a gradient (which needs z), the last chunk's p = softmax(z) (C,V): the
-    backward recomputes the other chunks' logits only (the same ops on the same rows, so the same
-    bits as recomputing the last one too).
+    Saved for backward: hidden (N,H), weight (V,H), bias (V,), targets (N,), logsumexp (N,). Kept
+    beside them (``ctx.p_last_C_V``), unless the entropy has a gradient (which needs z): the last
+    chunk's p = softmax(z) (C,V), so the backward recomputes the other chunks' logits only (the
+    same ops on the same rows, so the same bits as recomputing the last one too). The backward
+    turns that p into g_z in place and drops it; a second backward through the same graph
+    (``retain_graph=True``) recomputes it.
+    Where z is not needed after p (no entropy, or no entropy gradient in the backward), p is
+    formed in z's own memory and g_z in p's: one (C,V) tensor per chunk, not three (a chunk of
+    1,024 rows of Qwen2's 151,936-word vocabulary is 594 MiB in float32).
     Backward, per chunk, with p = softmax(z) and m = sum_v p_v z_v:
         dlogp/dz = onehot(target) - p;   dentropy/dz = -p * (z - m)
         g_z = g_logp * dlogp/dz + g_entropy * dentropy/dz;   g_logits = g_z / temperature
@@ -145,7 +151,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
             lse_N[rows] = lse_C
             logp_N[rows] = z_C_V.gather(-1, targets_N[rows].unsqueeze(-1)).squeeze(-1) - lse_C
             if return_entropy or eager or (keep_last and start == last_start):
-                p_C_V = torch.exp(z_C_V - lse_C.unsqueeze(-1))
+                p_C_V = _softmax(z_C_V, lse_C, in_place=not return_entropy)
             if keep_last and start == last_start:
                 p_last_C_V = p_C_V
             if return_entropy:
@@ -158,7 +164,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if eager:
             ctx.save_for_backward(dlogp_dh_N_H)
         else:
-            ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, p_last_C_V)
+            ctx.save_for_backward(hidden_N_H, weight_V_H, bias_V, targets_N, lse_N)
+            ctx.p_last_C_V = p_last_C_V  # not a saved tensor: the backward overwrites it, see above
         if entropy_N is None:
             ctx.mark_non_differentiable(lse_N)
             return logp_N, lse_N  # second output is a placeholder; token_logprobs drops it
@@ -175,7 +182,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 return (None,) * 8
             grad_h = (grad_logp_N.unsqueeze(-1).to(dlogp_dh_N_H.dtype) * dlogp_dh_N_H).to(ctx.hidden_dtype)
             return grad_h, None, None, None, None, None, None, None
-        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N, p_last_C_V = ctx.saved_tensors
+        hidden_N_H, weight_V_H, bias_V, targets_N, lse_N = ctx.saved_tensors
+        p_last_C_V, ctx.p_last_C_V = ctx.p_last_C_V, None  # used up below
         last_start = _last_chunk_start(hidden_N_H.shape[0], ctx.chunk_size)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden_N_H) if need_h else None
@@ -192,8 +200,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 p_C_V = p_last_C_V  # kept by the forward (no entropy gradient, so z is not needed)
             else:
                 z_C_V = _chunk_logits(h_C_H, weight_V_H, bias_V, ctx.temperature)
-                p_C_V = torch.exp(z_C_V - lse_N[rows].unsqueeze(-1))
-            g_C_V = -grad_logp_N[rows].unsqueeze(-1) * p_C_V
+                p_C_V = _softmax(z_C_V, lse_N[rows], in_place=not use_entropy)
+            if use_entropy:  # p is needed again below
+                g_C_V = -grad_logp_N[rows].unsqueeze(-1) * p_C_V
+            else:
+                g_C_V = p_C_V.mul_(-grad_logp_N[rows].unsqueeze(-1))
             g_C_V.scatter_add_(-1, targets_N[rows].unsqueeze(-1), grad_logp_N[rows].unsqueeze(-1).to(g_C_V.dtype))
             if use_entropy:
                 mean_z_C = (p_C_V * z_C_V).sum(-1, keepdim=True)
@@ -212,6 +223,13 @@ class _ChunkedLogprobs(torch.autograd.Function):
         grad_w = grad_w.to(weight_V_H.dtype) if need_w else None
         grad_b = grad_b.to(bias_V.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def _softmax(z_C_V: Tensor, lse_C: Tensor, *, in_place: bool) -> Tensor:
+    """p = exp(z - logsumexp(z)), in z's memory when ``in_place`` (the same bits either way)."""
+    if in_place:
+        return z_C_V.sub_(lse_C.unsqueeze(-1)).exp_()
+    return torch.exp(z_C_V - lse_C.unsqueeze(-1))
 
 
 def _last_chunk_start(n: int, chunk_size: int) -> int:

@@ -175,15 +175,72 @@ def test_autograd_graph_saves_no_rows_by_vocab_tensor():
 
 @pytest.mark.parametrize("chunk_size,last_rows", [(16, 16), (24, 16), (1024, 64)])  # N = 64 rows
 def test_without_an_entropy_gradient_the_last_chunks_probabilities_are_kept(chunk_size, last_rows):
-    # No entropy gradient (the learner's case): the forward keeps its last chunk's softmax (C,V) so
-    # the backward need not recompute those logits; never more than one chunk (the whole batch when
-    # it fits one: 1024 > 64 rows).
+    # No entropy gradient (the learner's case): the forward keeps its last chunk's softmax (C,V) on
+    # the autograd node so the backward need not recompute those logits; never more than one chunk
+    # (the whole batch when it fits one: 1024 > 64 rows). It is not a saved tensor (the backward
+    # overwrites it), and the backward drops it.
     B, T, H, V = 4, 16, 8, 128
     h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
     for kw in ({}, {"return_entropy": True, "entropy_grad": False}):
-        shapes, _ = _saved_shapes(lambda: token_logprobs(h, w, y, bias=b, chunk_size=chunk_size, **kw))
-        assert sorted(shapes) == sorted([(B * T, H), (V, H), (V,), (B * T,), (B * T,), (last_rows, V)])
-        assert max(math.prod(s) for s in shapes if s[-1] == V) <= min(chunk_size, B * T) * V
+        shapes, out = _saved_shapes(lambda: token_logprobs(h, w, y, bias=b, chunk_size=chunk_size, **kw))
+        assert sorted(shapes) == sorted([(B * T, H), (V, H), (V,), (B * T,), (B * T,)])
+        logp = out[0] if kw else out
+        node = logp.grad_fn.next_functions[0][0]  # the view's input: _ChunkedLogprobs' node
+        assert node.p_last_C_V.shape == (last_rows, V)
+        logp.sum().backward()
+        assert node.p_last_C_V is None
+
+
+class Allocations(TorchDispatchMode):
+    """Records (op name, shape) of every aten op output that is a new tensor (not a view, not an
+    in-place op's result)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.name.endswith("_"):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made.append((func._schema.name, tuple(t.shape)))
+        return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size,recomputed", [(16, 3), (1024, 0)])  # N = 64 rows: 4 chunks or 1
+def test_each_chunk_allocates_one_rows_by_vocab_tensor_its_logits(temperature, chunk_size, recomputed):
+    # Without an entropy (gradient), p = softmax(z) is formed in z's memory and g_z in p's: the only
+    # (C,V) tensors made are the logits products, one per chunk in the forward and one per chunk
+    # the backward recomputes (all but the kept last one).
+    B, T, H, V = 4, 16, 8, 128
+    h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
+    with Allocations() as probe:
+        token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size).sum().backward()
+    chunks = -(-B * T // chunk_size)
+    assert [n for n, shape in probe.made if shape[-1:] == (V,) and len(shape) == 2] == ["aten::addmm"] * (
+        chunks + recomputed)
+    # the frozen head (LoRA's case): one per chunk, in the forward only
+    w, b = w.detach(), b.detach()
+    with Allocations() as probe:
+        token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size).sum().backward()
+    assert [n for n, shape in probe.made if shape[-1:] == (V,) and len(shape) == 2] == ["aten::addmm"] * chunks
+
+
+@pytest.mark.parametrize("chunk_size", [4, 1024])  # the kept chunk is the last of four, or the only one
+def test_a_second_backward_through_the_graph_recomputes_the_kept_chunk(chunk_size):
+    # The first backward turns the kept probabilities into g_z in place; retain_graph=True and a
+    # second pass must still give the same gradients (it recomputes them: the same bits).
+    h, w, b, y = _inputs(dtype=torch.float32)
+    logp = token_logprobs(h, w, y, bias=b, temperature=0.7, chunk_size=chunk_size)
+    first = torch.autograd.grad(logp.sum(), (h, w, b), retain_graph=True)
+    second = torch.autograd.grad(logp.sum(), (h, w, b))
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    ref_logp, _ = _naive(h, w, b, y, 0.7)
+    for a, c in zip(first, torch.autograd.grad(ref_logp.sum(), (h, w, b))):
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-5 * float(c.abs().max()))
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 1024])  # one row, ragged last chunk (14 = 4+4+4+2), one chunk
