@@ -120,9 +120,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
     same ops on the same rows, so the same bits as recomputing the last one too). The backward
     turns that p into g_z in place and drops it; a second backward through the same graph
     (``retain_graph=True``) recomputes it.
-    Where z is not needed after p (no entropy, or no entropy gradient in the backward), p is
-    formed in z's own memory and g_z in p's: one (C,V) tensor per chunk, not three (a chunk of
-    1,024 rows of Qwen2's 151,936-word vocabulary is 594 MiB in float32).
+    The forward needs z no longer than its chunk: p is formed in z's memory, or, with an entropy,
+    in one new tensor and then p*z in z's. Where the backward needs z no longer than p (no entropy
+    gradient), g_z is formed in p's memory. So a chunk allocates one (C,V) tensor (two with an
+    entropy), not three or four (a chunk of 1,024 rows of Qwen2's 151,936-word vocabulary is
+    594 MiB in float32).
     Backward, per chunk, with p = softmax(z) and m = sum_v p_v z_v:
         dlogp/dz = onehot(target) - p;   dentropy/dz = -p * (z - m)
         g_z = g_logp * dlogp/dz + g_entropy * dentropy/dz;   g_logits = g_z / temperature
@@ -154,8 +156,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 p_C_V = _softmax(z_C_V, lse_C, in_place=not return_entropy)
             if keep_last and start == last_start:
                 p_last_C_V = p_C_V
-            if return_entropy:
-                entropy_N[rows] = lse_C - (p_C_V * z_C_V).sum(-1)
+            if return_entropy:  # the last use of z: sum_v p_v z_v in z's memory
+                entropy_N[rows] = lse_C - z_C_V.mul_(p_C_V).sum(-1)
             if eager:
                 dlogp_dh_N_H[rows] = _dlogp_dh(p_C_V, weight_V_H, targets_N[rows], temperature)
         ctx.eager, ctx.temperature, ctx.chunk_size, ctx.hidden_dtype = eager, temperature, chunk_size, hidden_N_H.dtype
@@ -227,9 +229,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _softmax(z_C_V: Tensor, lse_C: Tensor, *, in_place: bool) -> Tensor:
     """p = exp(z - logsumexp(z)), in z's memory when ``in_place`` (the same bits either way)."""
-    if in_place:
-        return z_C_V.sub_(lse_C.unsqueeze(-1)).exp_()
-    return torch.exp(z_C_V - lse_C.unsqueeze(-1))
+    p_C_V = z_C_V.sub_(lse_C.unsqueeze(-1)) if in_place else z_C_V - lse_C.unsqueeze(-1)
+    return p_C_V.exp_()
 
 
 def _last_chunk_start(n: int, chunk_size: int) -> int:

@@ -211,21 +211,26 @@ class Allocations(TorchDispatchMode):
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size,recomputed", [(16, 3), (1024, 0)])  # N = 64 rows: 4 chunks or 1
 def test_each_chunk_allocates_one_rows_by_vocab_tensor_its_logits(temperature, chunk_size, recomputed):
-    # Without an entropy (gradient), p = softmax(z) is formed in z's memory and g_z in p's: the only
-    # (C,V) tensors made are the logits products, one per chunk in the forward and one per chunk
-    # the backward recomputes (all but the kept last one).
+    # Without an entropy, p = softmax(z) is formed in z's memory and g_z in p's: the only (C,V)
+    # tensors made are the logits products, one per chunk in the forward and one per chunk the
+    # backward recomputes (all but the kept last one). With the entropy as a metric (the learner's
+    # call), the forward adds p beside z (sum p*z then goes into z), and nothing else.
     B, T, H, V = 4, 16, 8, 128
     h, w, b, y = _inputs(B=B, T=T, H=H, V=V, dtype=torch.float32)
-    with Allocations() as probe:
-        token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size).sum().backward()
     chunks = -(-B * T // chunk_size)
-    assert [n for n, shape in probe.made if shape[-1:] == (V,) and len(shape) == 2] == ["aten::addmm"] * (
-        chunks + recomputed)
-    # the frozen head (LoRA's case): one per chunk, in the forward only
-    w, b = w.detach(), b.detach()
-    with Allocations() as probe:
-        token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size).sum().backward()
-    assert [n for n, shape in probe.made if shape[-1:] == (V,) and len(shape) == 2] == ["aten::addmm"] * chunks
+
+    def rows_by_vocab(**kw):
+        with Allocations() as probe:
+            out = token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size, **kw)
+            (out[0] if kw.get("return_entropy") else out).sum().backward()
+        return [name for name, shape in probe.made if len(shape) == 2 and shape[1] == V]
+
+    assert rows_by_vocab() == ["aten::addmm"] * (chunks + recomputed)
+    entropy = rows_by_vocab(return_entropy=True, entropy_grad=False)
+    assert entropy == ["aten::addmm", "aten::sub"] * chunks + ["aten::addmm"] * recomputed
+    w, b = w.detach(), b.detach()  # the frozen head (LoRA's case): the forward's products only
+    assert rows_by_vocab() == ["aten::addmm"] * chunks
+    assert rows_by_vocab(return_entropy=True, entropy_grad=False) == ["aten::addmm", "aten::sub"] * chunks
 
 
 @pytest.mark.parametrize("chunk_size", [4, 1024])  # the kept chunk is the last of four, or the only one
