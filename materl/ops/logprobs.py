@@ -105,7 +105,7 @@ def _check_temperature(temperature: float) -> None:
 
 def _chunk_logits(h_C_H: Tensor, weight_V_H: Tensor, bias_V: Tensor | None, temperature: float) -> Tensor:
     """Tempered logits of one chunk, upcast to at least float32: (C,H) -> (C,V), a new tensor
-    (the only (C,V) one a chunk allocates, see ``_ChunkedLogprobs``)."""
+    that the caller may overwrite (``_ChunkedLogprobs`` forms p and g_z in it)."""
     logits = h_C_H @ weight_V_H.T if bias_V is None else torch.addmm(bias_V, h_C_H, weight_V_H.T)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return logits.div_(temperature) if temperature != 1.0 else logits
