@@ -122,9 +122,10 @@ class _ChunkedLogprobs(torch.autograd.Function):
     (``retain_graph=True``) recomputes it.
     The forward needs z no longer than its chunk: p is formed in z's memory, or, with an entropy,
     in one new tensor and then p*z in z's. Where the backward needs z no longer than p (no entropy
-    gradient), g_z is formed in p's memory. So a chunk allocates one (C,V) tensor (two with an
-    entropy), not three or four (a chunk of 1,024 rows of Qwen2's 151,936-word vocabulary is
-    594 MiB in float32).
+    gradient), g_z is formed in p's memory; with an entropy gradient, g_z and sum_v p_v z_v are
+    new and the entropy term is formed in p's and z's. So a chunk allocates one (C,V) tensor in
+    the forward (two with an entropy) and at most four in the backward, not up to eight (a chunk
+    of 1,024 rows of Qwen2's 151,936-word vocabulary is 594 MiB in float32).
     Backward, per chunk, with p = softmax(z) and m = sum_v p_v z_v:
         dlogp/dz = onehot(target) - p;   dentropy/dz = -p * (z - m)
         g_z = g_logp * dlogp/dz + g_entropy * dentropy/dz;   g_logits = g_z / temperature
@@ -208,9 +209,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else:
                 g_C_V = p_C_V.mul_(-grad_logp_N[rows].unsqueeze(-1))
             g_C_V.scatter_add_(-1, targets_N[rows].unsqueeze(-1), grad_logp_N[rows].unsqueeze(-1).to(g_C_V.dtype))
-            if use_entropy:
+            if use_entropy:  # g_z -= (g_entropy * p) * (z - m), using up p and z in place (same order)
                 mean_z_C = (p_C_V * z_C_V).sum(-1, keepdim=True)
-                g_C_V -= grad_entropy_N[rows].unsqueeze(-1) * p_C_V * (z_C_V - mean_z_C)
+                g_C_V.sub_(p_C_V.mul_(grad_entropy_N[rows].unsqueeze(-1)).mul_(z_C_V.sub_(mean_z_C)))
             if ctx.temperature != 1.0:
                 g_C_V /= ctx.temperature
             if need_h:

@@ -222,12 +222,16 @@ def test_each_chunk_allocates_one_rows_by_vocab_tensor_its_logits(temperature, c
     def rows_by_vocab(**kw):
         with Allocations() as probe:
             out = token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size, **kw)
-            (out[0] if kw.get("return_entropy") else out).sum().backward()
+            sum(o.sum() for o in out if o.requires_grad).backward() if kw else out.sum().backward()
         return [name for name, shape in probe.made if len(shape) == 2 and shape[1] == V]
 
     assert rows_by_vocab() == ["aten::addmm"] * (chunks + recomputed)
     entropy = rows_by_vocab(return_entropy=True, entropy_grad=False)
     assert entropy == ["aten::addmm", "aten::sub"] * chunks + ["aten::addmm"] * recomputed
+    # an entropy gradient: every chunk recomputed; z, p, g_z and p*z (for sum_v p_v z_v) are made,
+    # the entropy term is formed in p's and z's memory
+    assert rows_by_vocab(return_entropy=True) == (
+        ["aten::addmm", "aten::sub"] * chunks + ["aten::addmm", "aten::sub", "aten::mul", "aten::mul"] * chunks)
     w, b = w.detach(), b.detach()  # the frozen head (LoRA's case): the forward's products only
     assert rows_by_vocab() == ["aten::addmm"] * chunks
     assert rows_by_vocab(return_entropy=True, entropy_grad=False) == ["aten::addmm", "aten::sub"] * chunks
