@@ -191,26 +191,28 @@ def test_without_an_entropy_gradient_the_last_chunks_probabilities_are_kept(chun
         assert node.p_last_C_V is None
 
 
-class Allocations(TorchDispatchMode):
-    """Records (op name, shape) of every aten op output that is a new tensor (not a view, not an
-    in-place op's result)."""
+class OpSizes(TorchDispatchMode):
+    """Records every aten op output while active: ``numels`` the number of elements of each, and
+    ``made`` (op name, shape) of each that is a new tensor (not a view, not an in-place op's)."""
 
     def __init__(self):
         super().__init__()
-        self.made = []
+        self.numels, self.made = [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and not func._schema.name.endswith("_"):
-            for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor):
+        new = not func.is_view and not func._schema.name.endswith("_")
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.numels.append(t.numel())
+                if new:
                     self.made.append((func._schema.name, tuple(t.shape)))
         return out
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("chunk_size,recomputed", [(16, 3), (1024, 0)])  # N = 64 rows: 4 chunks or 1
-def test_each_chunk_allocates_one_rows_by_vocab_tensor_its_logits(temperature, chunk_size, recomputed):
+def test_the_rows_by_vocab_tensors_each_chunk_allocates(temperature, chunk_size, recomputed):
     # Without an entropy, p = softmax(z) is formed in z's memory and g_z in p's: the only (C,V)
     # tensors made are the logits products, one per chunk in the forward and one per chunk the
     # backward recomputes (all but the kept last one). With the entropy as a metric (the learner's
@@ -220,9 +222,10 @@ def test_each_chunk_allocates_one_rows_by_vocab_tensor_its_logits(temperature, c
     chunks = -(-B * T // chunk_size)
 
     def rows_by_vocab(**kw):
-        with Allocations() as probe:
+        with OpSizes() as probe:
             out = token_logprobs(h, w, y, bias=b, temperature=temperature, chunk_size=chunk_size, **kw)
-            sum(o.sum() for o in out if o.requires_grad).backward() if kw else out.sum().backward()
+            loss = sum(o.sum() for o in out if o.requires_grad) if kw else out.sum()
+            loss.backward()
         return [name for name, shape in probe.made if len(shape) == 2 and shape[1] == V]
 
     assert rows_by_vocab() == ["aten::addmm"] * (chunks + recomputed)
@@ -272,21 +275,6 @@ def test_the_kept_chunk_gives_the_same_bits_as_recomputing_it(chunk_size, dtype)
         ref_logp, _ = _naive(h, w, b, y, 0.7)
         for a, c in zip(kept, torch.autograd.grad((ref_logp * up).sum(), (h, w, b))):
             torch.testing.assert_close(a, c, rtol=0, atol=1e-10)
-
-
-class OpSizes(TorchDispatchMode):
-    """Records the number of elements of every aten op's output while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.numels = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.numels.append(t.numel())
-        return out
 
 
 def test_no_op_in_forward_or_backward_makes_a_rows_by_vocab_tensor():
