@@ -96,12 +96,20 @@ def _add_rows(weight: torch.Tensor, alias: torch.Tensor) -> None:
 
 def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow."""
+    from materl.engines import decoder_forward
+
     lm = causal_lm_of(model)
-    out = lm.get_decoder()(
-        **token_inputs(lm, input_ids), attention_mask=attention_mask,
-        position_ids=position_ids_from_mask(attention_mask), use_cache=False,
-    )
+    position_ids = position_ids_from_mask(attention_mask)
+    if decoder_forward.supports(lm):
+        return decoder_forward.decoder_forward(lm, _embeds(lm, input_ids), attention_mask, position_ids)
+    out = lm.get_decoder()(**token_inputs(lm, input_ids), attention_mask=attention_mask,
+                           position_ids=position_ids, use_cache=False)
     return out.last_hidden_state
+
+
+def _embeds(lm: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    inputs = token_inputs(lm, ids)
+    return inputs["inputs_embeds"] if "inputs_embeds" in inputs else lm.get_input_embeddings()(ids)
 
 
 def shared_prefix_hidden_states(
@@ -128,20 +136,32 @@ def shared_prefix_hidden_states(
     """
     from transformers import DynamicCache
 
+    from materl.engines import decoder_forward
+
     lm = causal_lm_of(model)
+    prompt_len_B = prefix_mask.sum(-1)[owner]
+    steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
+    suffix_pos_B_S = prompt_len_B[:, None] + steps_S[None, :]
+    suffix_mask_B_L = torch.cat([prefix_mask[owner], suffix_mask], dim=-1)
+    if decoder_forward.supports(lm):  # the same values, with less memory held by the backward
+        prefix = (_embeds(lm, prefix_ids), prefix_mask, position_ids_from_mask(prefix_mask))
+        if suffix_ids.shape[1] == 0:
+            prefix_U_P_H = decoder_forward.decoder_forward(lm, *prefix)
+            last_B_H = prefix_U_P_H[owner, prompt_len_B - 1]
+            return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
+        prefix_U_P_H, suffix_B_S_H = decoder_forward.shared_prefix_forward(
+            lm, prefix, owner, (_embeds(lm, suffix_ids), suffix_mask_B_L, suffix_pos_B_S))
+        return prefix_U_P_H[owner, prompt_len_B - 1], suffix_B_S_H
     decoder = lm.get_decoder()
     cache = DynamicCache(config=lm.config)
     prefix = decoder(**token_inputs(lm, prefix_ids), attention_mask=prefix_mask,
                      position_ids=position_ids_from_mask(prefix_mask), use_cache=True, **cache_kwargs(decoder, cache))
-    prompt_len_B = prefix_mask.sum(-1)[owner]
     last_B_H = prefix.last_hidden_state[owner, prompt_len_B - 1]
     if suffix_ids.shape[1] == 0:
         return last_B_H, last_B_H.new_zeros(len(owner), 0, last_B_H.shape[-1])
     cache.batch_select_indices(owner)
-    steps_S = torch.arange(suffix_ids.shape[1], device=suffix_ids.device)
-    suffix = decoder(**token_inputs(lm, suffix_ids), attention_mask=torch.cat([prefix_mask[owner], suffix_mask], dim=-1),
-                     position_ids=prompt_len_B[:, None] + steps_S[None, :], use_cache=True,
-                     **cache_kwargs(decoder, cache))
+    suffix = decoder(**token_inputs(lm, suffix_ids), attention_mask=suffix_mask_B_L, position_ids=suffix_pos_B_S,
+                     use_cache=True, **cache_kwargs(decoder, cache))
     return last_B_H, suffix.last_hidden_state
 
 

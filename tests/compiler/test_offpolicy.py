@@ -242,7 +242,8 @@ def test_one_update_per_batch_takes_the_proximal_logprobs_from_the_update_forwar
             policy.model.load_state_dict(start)
             episodes = copies
         calls = []
-        hook = causal_lm_of(policy.model).get_decoder().register_forward_hook(lambda *a: calls.append(1))
+        # layer 0's attention runs once per decoder pass, whichever forward the learner uses
+        hook = causal_lm_of(policy.model).get_decoder().layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
         m = step.call_blocking(step.learn, episodes)
         hook.remove()
         runs.append((m, [p.detach().clone() for p in policy.parameters()],

@@ -76,9 +76,20 @@ def case(name: str) -> dict:
 def reference(options: dict, *, lora: bool = False, steps: int = 2) -> dict:
     """``steps`` one-process steps (``ml.compile``'s learner), recording each step's batch as
     the ranks will receive it (pickled before learning), the trainable weights before and
-    after, and the metrics. One episode of the first batch is filtered out: 7 rows."""
-    with one_thread():
-        return _reference(options, lora, steps)
+    after, and the metrics. One episode of the first batch is filtered out: 7 rows.
+
+    Under torch.distributed the learner runs the decoder layers' own forwards (FSDP2 gathers a
+    layer's weights in its forward hooks), so the reference does too: the lean forward of one
+    process (``materl.engines.decoder_forward``) rounds gradients differently, and is checked
+    against these forwards in ``tests/engines/test_decoder_forward.py``."""
+    from materl.engines import decoder_forward
+
+    supports, decoder_forward.supports = decoder_forward.supports, lambda lm: False
+    try:
+        with one_thread():
+            return _reference(options, lora, steps)
+    finally:
+        decoder_forward.supports = supports
 
 
 def _reference(options: dict, lora: bool, steps: int) -> dict:
