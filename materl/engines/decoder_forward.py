@@ -20,7 +20,7 @@ agree to float rounding), two differences in what the backward holds:
   the completions'.
 
 Used where ``supports(lm)``: decoder layers of Llama or Qwen2 with full attention only, a
-transformers whose ``create_causal_mask`` takes ``cache`` (5.x), and one process (under
+transformers whose ``create_causal_mask`` and attention take ``cache`` (5.x), and one process (under
 torch.distributed each layer's own forward runs: FSDP2 gathers a layer's weights in its forward
 hooks). Elsewhere the learner keeps the plain decoder calls (``materl.engines.hf``), which give
 the same values with more memory.
@@ -34,8 +34,6 @@ import inspect
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-
-from materl.engines.hf import cache_kwargs
 
 LAYER_TYPES = ("LlamaDecoderLayer", "Qwen2DecoderLayer")
 NORM_TYPES = ("LlamaRMSNorm", "Qwen2RMSNorm")
@@ -52,17 +50,20 @@ def supports(lm: nn.Module) -> bool:
         return False
     if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
         return False
-    if getattr(config, "use_sliding_window", False) or not _mask_takes_cache():
+    if getattr(config, "use_sliding_window", False):
+        return False
+    from transformers import masking_utils
+
+    if not _takes_cache(getattr(masking_utils, "create_causal_mask", None)):
         return False
     return all(type(layer).__name__ in LAYER_TYPES and type(layer.input_layernorm).__name__ in NORM_TYPES
-               and type(layer.post_attention_layernorm).__name__ in NORM_TYPES for layer in layers)
+               and type(layer.post_attention_layernorm).__name__ in NORM_TYPES
+               and _takes_cache(type(layer.self_attn).forward) for layer in layers)
 
 
 @functools.cache
-def _mask_takes_cache() -> bool:
-    from transformers import masking_utils
-
-    fn = getattr(masking_utils, "create_causal_mask", None)
+def _takes_cache(fn) -> bool:
+    """Whether ``fn`` takes the KV cache as ``cache`` (transformers 5.x; 4.x named it past_key_values)."""
     return fn is not None and "cache" in inspect.signature(fn).parameters
 
 
@@ -86,8 +87,7 @@ class _Pass:
         residual = self.h
         x = rms_norm(layer.input_layernorm, self.h)
         attn, _ = layer.self_attn(hidden_states=x, attention_mask=self.mask, position_ids=self.position_ids,
-                                  position_embeddings=self.rotary, use_cache=cache is not None,
-                                  **cache_kwargs(layer.self_attn, cache))
+                                  position_embeddings=self.rotary, use_cache=cache is not None, cache=cache)
         h = residual + attn
         self.h = h + swiglu(layer.mlp, rms_norm(layer.post_attention_layernorm, h))
 
@@ -179,7 +179,7 @@ class _SwiGLUDown(torch.autograd.Function):
     def backward(ctx, g_out: Tensor):
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_w, need_b = ctx.needs_input_grad
-        silu, sig = F.silu(gate), torch.sigmoid(gate)  # silu as the forward computed it
+        silu = F.silu(gate)  # as the forward computed it
         g_w = g_b = None
         if need_w:
             g_w = g_out.reshape(-1, g_out.shape[-1]).T @ (silu * up).reshape(-1, up.shape[-1])
@@ -187,6 +187,5 @@ class _SwiGLUDown(torch.autograd.Function):
             g_b = g_out.reshape(-1, g_out.shape[-1]).sum(0)
         g_h = g_out @ weight
         g_up = g_h * silu if need_up else None
-        # silu'(x) = sigmoid(x) * (1 + x * (1 - sigmoid(x))), as aten's silu_backward
-        g_gate = g_h * up * (sig * (1 + gate * (1 - sig))) if need_gate else None
+        g_gate = torch.ops.aten.silu_backward(g_h * up, gate) if need_gate else None  # autograd's own kernel
         return g_gate, g_up, g_w, g_b

@@ -14,8 +14,8 @@ from materl.engines.models import load_model
 from tests.engines.test_row_grads import OWNER, PREFIX, PREFIX_MASK, SUFFIX, SUFFIX_MASK
 from tests.tolerance import assert_close_to_scale
 
-SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-             num_key_value_heads=2)
+SHAPE = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 def _model(kind: str, dtype=torch.float32):
