@@ -20,7 +20,8 @@ agree to float rounding), two differences in what the backward holds:
   the completions'.
 
 Used where ``supports(lm)``: decoder layers of Llama or Qwen2 with full attention only, a
-transformers whose ``create_causal_mask`` and attention take ``cache`` (5.x), and one process (under
+transformers whose ``create_causal_mask`` and attention take ``cache`` (5.x), no gradient
+checkpointing (``activation_checkpointing_enable()`` keeps HF's layers), and one process (under
 torch.distributed each layer's own forward runs: FSDP2 gathers a layer's weights in its forward
 hooks). Elsewhere the learner keeps the plain decoder calls (``materl.engines.hf``), which give
 the same values with more memory.
@@ -52,6 +53,8 @@ def supports(lm: nn.Module) -> bool:
         return False
     if getattr(config, "use_sliding_window", False):
         return False
+    if any(getattr(m, "gradient_checkpointing", False) for m in (decoder, *layers)):
+        return False  # the layers' own forwards recompute their activations instead
     from transformers import masking_utils
 
     if not _takes_cache(getattr(masking_utils, "create_causal_mask", None)):

@@ -132,7 +132,9 @@ def shared_prefix_hidden_states(
     positions continuing from each prompt's length. The result equals running every row's full
     sequence (up to float summation order) at the cost of U*P + B*S tokens instead of B*(P+S):
     a GRPO group of G samples pays for its prompt once, not G times. Right padding everywhere,
-    so no query row is fully masked (the middle gap of short prompts is masked out).
+    so no query row is fully masked (the middle gap of short prompts is masked out). Where
+    ``decoder_forward.supports`` the passes run layer by layer with lean activations (the same
+    values; see that module), else as two decoder calls.
     """
     from transformers import DynamicCache
 

@@ -69,6 +69,16 @@ def test_same_forward_bits_and_gradients_as_the_decoder(kind, shared, dtype, mon
         assert_close_to_scale(grads[name], grads_ref[name], rel=1e-5, msg=name)
 
 
+def test_not_used_where_the_plain_decoder_must_run():
+    """Sliding-window attention, other decoders and gradient checkpointing keep HF's decoder calls."""
+    assert not dfw.supports(Qwen2ForCausalLM(Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=4)))
+    model = _model("llama-biases")
+    assert dfw.supports(model)
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable  # 5.2x name
+    enable()
+    assert not dfw.supports(model)
+
+
 def test_lean_functions_against_finite_differences():
     """float64 throughout (the norm's float32 cast is the identity's inverse here: inputs are float32-exact)."""
     torch.manual_seed(0)
