@@ -10,7 +10,7 @@ agree to float rounding), two differences in what the backward holds:
   RMS for the backward; its SwiGLU MLP keeps ``gate(x)``, ``silu(gate(x))``, ``up(x)`` and their
   product (four (N, I) tensors per layer). Here RMSNorm keeps its input and the reciprocal RMS,
   and the MLP keeps ``gate(x)`` and ``up(x)``; the backward recomputes the rest (elementwise work,
-  ~1% of the layer's FLOPs). For SmolLM2-135M that is ~40% fewer saved bytes per token.
+  ~1% of the layer's FLOPs). For SmolLM2-135M that is a third fewer saved bytes (0.67x, weights aside).
 - **Interleaved prompt pass.** With shared prompts (a GRPO group pays for its prompt once) the
   prompt pass and the completion pass used to be two decoder calls. autograd runs ready nodes
   newest first, so the whole completion backward ran before any of the prompt's: at its end
