@@ -175,7 +175,6 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(gate, up, weight)
-        ctx.has_bias = bias is not None
         return F.linear(F.silu(gate) * up, weight, bias)
 
     @staticmethod
@@ -186,7 +185,7 @@ class _SwiGLUDown(torch.autograd.Function):
         g_w = g_b = None
         if need_w:
             g_w = g_out.reshape(-1, g_out.shape[-1]).T @ (silu * up).reshape(-1, up.shape[-1])
-        if need_b and ctx.has_bias:
+        if need_b:  # False when there is no bias
             g_b = g_out.reshape(-1, g_out.shape[-1]).sum(0)
         g_h = g_out @ weight
         g_up = g_h * silu if need_up else None
