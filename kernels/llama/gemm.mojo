@@ -7,8 +7,16 @@
 # ACCUMULATE) the result is added to y. So a row's result does not depend on which other rows
 # share the call: that is what makes the engine's output independent of its batch.
 # Tiles only decide which loads are shared (a weight row loaded once serves every row of a tile).
+#
+# Decoding (up to STREAM_ROWS rows) streams every weight once per call, so its speed is how fast
+# one thread pulls weights from memory. Its tile is all rows x two weight rows: each x load feeds
+# two FMAs (9 loads per 8 FMAs with one weight row), and 16 accumulators fit the 32 vector
+# registers of AVX-512 machines (three weight rows spill: slower; elsewhere one weight row). The weight rows are prefetched
+# into L2 (prefetcht1), 4 KB ahead. On SmolLM2-135M, 8 rows, the Zen 4 machine of
+# benchmarks/RESULTS.md ("decode", 2026-11-26): 32 -> 24 ms a step on two threads, 58 -> 41 ms on
+# one (one weight row, prefetched into L1: 32 / 58 ms; into L2 alone: 28 / 45 ms).
 
-from std.sys import prefetch, PrefetchOptions
+from std.sys import prefetch, PrefetchOptions, CompilationTarget
 from std.utils import StaticTuple
 
 comptime L = 8  # float32 lanes (one AVX2 register)
@@ -19,8 +27,10 @@ comptime STORE = 0  # y = x @ W.T + b
 comptime ACCUMULATE = 1  # y = y + (x @ W.T + b)   (a residual add, in HF's order)
 
 comptime ROW_CHUNK = 64  # rows of x kept hot in L2 while all weight rows stream past
-comptime STREAM_ROWS = 8  # up to this many rows: one weight row at a time, every row of x
-comptime PREFETCH = 1024  # floats ahead of the streamed weight row (4 KB: further than the hardware prefetcher runs)
+comptime STREAM_ROWS = 8  # up to this many rows: two weight rows at a time, every row of x
+# weight rows per decode tile: 2 where 16 accumulators fit the registers (AVX-512's 32), else 1
+comptime DECODE_NR = 2 if CompilationTarget.has_avx512f() else 1
+comptime PREFETCH = 1024  # floats ahead of each streamed weight row (4 KB: further than the hardware prefetcher runs)
 
 
 @always_inline
@@ -32,7 +42,7 @@ def tile[MR: Int, NR: Int, STREAM: Bool](x: FPtr, ldx: Int, w: FPtr, K: Int, y: 
     while k < K:
         comptime if STREAM:
             comptime for j in range(NR):
-                prefetch[PrefetchOptions().for_read().high_locality().to_data_cache()](
+                prefetch[PrefetchOptions().for_read().medium_locality().to_data_cache()](
                     w.unsafe_offset(j * K + k + PREFETCH))
         comptime for i in range(MR):
             var xv = x.unsafe_load[width=L](i * ldx + k)
@@ -84,7 +94,12 @@ def gemm(x: FPtr, ldx: Int, M: Int, w: FPtr, K: Int, n0: Int, n1: Int, y: FPtr, 
         var xm = x.unsafe_offset(m0 * ldx)
         var ym = y.unsafe_offset(m0 * ldy)
         if mc <= STREAM_ROWS:  # decoding: bandwidth-bound, each weight row once for all rows
-            for n in range(n0, n1):
+            var n = n0
+            while n + DECODE_NR <= n1:
+                rows_tile[DECODE_NR, True](mc, xm, ldx, w.unsafe_offset(n * K), K, ym.unsafe_offset(n - n0), ldy,
+                                           bias.unsafe_offset(n), has_bias, mode)
+                n += DECODE_NR
+            if n < n1:
                 rows_tile[1, True](mc, xm, ldx, w.unsafe_offset(n * K), K, ym.unsafe_offset(n - n0), ldy,
                                    bias.unsafe_offset(n), has_bias, mode)
         else:  # prefill: compute-bound, 4 x 3 register tiles
