@@ -24,7 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -109,42 +109,63 @@ class ThreadChooser:
     last changed, then at twice the previous interval while the tries confirm it, up to
     ``EXPLORE_MAX``. (With a fixed interval of 8, every eighth decode step on an idle 2-core
     machine ran on one thread at 1.7x the time, and decoding was 7-15% slower.) Threads never
-    change a result (the kernel's arithmetic does not depend on them), only the time."""
+    change a result (the kernel's arithmetic does not depend on them), only the time.
+
+    Decode calls (up to ``STREAM_ROWS`` rows: the kernel streams the weights, bandwidth-bound)
+    and larger ones (prefill: compute-bound) keep separate estimates, because their cost per row
+    differs: with one estimate, a rollout's first call, a prefill that also pays first-touch page
+    faults, made two threads look 1.8 ms a row against one thread's 1.1 ms for decode steps, and
+    the engine decoded on one thread (44 instead of 24 ms a step) until a try 8 and then 16
+    calls later outweighed it."""
 
     EXPLORE_FIRST = 8
     EXPLORE_MAX = 128
     FIXED_ROWS = 32
     DECAY = 0.7  # weight of the old estimate
+    STREAM_ROWS = 8  # kernels/llama/gemm.mojo: up to this many rows, a call streams the weights
 
     def __init__(self, threads: int):
         self.options = sorted({1, threads})
-        self.cost: dict[int, float] = {}
-        self.calls = 0
-        self.used = {t: 0 for t in self.options}  # calls per thread count (benchmarks report it)
-        self._best: int | None = None
-        self._interval = self.EXPLORE_FIRST
-        self._next_try = 0
+        self.used = {t: 0 for t in self.options}  # calls per thread count (benchmarks read it)
+        self._kinds = {False: _Estimates(), True: _Estimates()}  # keyed by "more than STREAM_ROWS rows"
 
-    def pick(self) -> int:
-        self.calls += 1
-        untried = [t for t in self.options if t not in self.cost]
+    @property
+    def calls(self) -> int:
+        return sum(k.calls for k in self._kinds.values())
+
+    def pick(self, rows: int = 1) -> int:
+        k = self._kinds[rows > self.STREAM_ROWS]
+        k.calls += 1
+        untried = [t for t in self.options if t not in k.cost]
         if untried:
             return untried[-1]
-        ranked = sorted(self.options, key=self.cost.__getitem__)
-        if ranked[0] != self._best:  # a new choice (or the first): try the other soon
-            self._best, self._interval = ranked[0], self.EXPLORE_FIRST
-            self._next_try = self.calls + self._interval
-        if len(ranked) > 1 and self.calls >= self._next_try:
-            self._interval = min(2 * self._interval, self.EXPLORE_MAX)
-            self._next_try = self.calls + self._interval
+        ranked = sorted(self.options, key=k.cost.__getitem__)
+        if ranked[0] != k.best:  # a new choice (or the first): try the other soon
+            k.best, k.interval = ranked[0], self.EXPLORE_FIRST
+            k.next_try = k.calls + k.interval
+        if len(ranked) > 1 and k.calls >= k.next_try:
+            k.interval = min(2 * k.interval, self.EXPLORE_MAX)
+            k.next_try = k.calls + k.interval
             return ranked[-1]
         return ranked[0]
 
     def record(self, threads: int, seconds: float, rows: int) -> None:
         self.used[threads] += 1
+        k = self._kinds[rows > self.STREAM_ROWS]
         cost = seconds / (rows + self.FIXED_ROWS)
-        old = self.cost.get(threads)
-        self.cost[threads] = cost if old is None else self.DECAY * old + (1 - self.DECAY) * cost
+        old = k.cost.get(threads)
+        k.cost[threads] = cost if old is None else self.DECAY * old + (1 - self.DECAY) * cost
+
+
+@dataclass
+class _Estimates:
+    """One kind of call's cost per thread count and its exploration schedule (``ThreadChooser``)."""
+
+    cost: dict[int, float] = field(default_factory=dict)
+    calls: int = 0
+    best: int | None = None
+    interval: int = ThreadChooser.EXPLORE_FIRST
+    next_try: int = 0
 
 
 class MojoForward:
@@ -203,7 +224,7 @@ class MojoForward:
         mirror_rows = torch.tensor([r for r, _ in mirrors], dtype=torch.int64)
         mirror_kv = torch.tensor([c.data_ptr() for _, c in mirrors], dtype=torch.int64)
         mirror_cap = torch.tensor([c.shape[3] for _, c in mirrors], dtype=torch.int64)
-        threads = self.chooser.pick()
+        threads = self.chooser.pick(len(rows))
         need = workspace_floats(shape, len(rows), len(logit_rows), threads, context)
         if self._workspace.numel() < need:
             self._workspace = torch.empty(need, dtype=torch.float32)

@@ -43,3 +43,20 @@ def test_a_change_in_cost_switches_the_choice_and_resets_the_interval():
 def test_one_thread_only():
     chooser = ThreadChooser(1)
     assert set(run(chooser, {1: 0.05}, 50)) == {1}
+
+
+def test_prefill_and_decode_calls_keep_separate_estimates():
+    """A rollout starts with a prefill (compute-bound, and its first call pays page faults):
+    its cost per row must not decide the thread count of the decode steps that follow."""
+    chooser = ThreadChooser(2)
+    first = chooser.pick(50)
+    chooser.record(first, 0.150, 50)  # 1.8 ms a row: dearer than either decode option below
+    picks = []
+    for _ in range(100):
+        t = chooser.pick(8)
+        chooser.record(t, {1: 0.044, 2: 0.024}[t], 8)
+        picks.append(t)
+    assert first == 2 and picks[:2] == [2, 1]  # decoding tries both options itself
+    assert tries(picks, 1)[1:] == [2 + 8, 2 + 8 + 16, 2 + 8 + 16 + 32]  # then only the scheduled tries
+    assert chooser.pick(50) == 1  # the prefill kind has not tried one thread yet
+    assert chooser.used == {1: 4, 2: 97}
