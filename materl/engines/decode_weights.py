@@ -31,7 +31,7 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from materl.engines.models import lora_merged
+from materl.engines.models import lora_merged, merged_lora_weight
 
 
 def packing_available() -> bool:
@@ -129,7 +129,7 @@ class DecodeWeights:
             else:
                 base = module.get_base_layer()
                 adapters = [a for a in module.active_adapters if a in module.lora_A]
-                weight, bias = base.weight + sum(module.get_delta_weight(a) for a in adapters), base.bias
+                weight, bias = merged_lora_weight(module, adapters), base.bias
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
             bias = bias.detach() if bias is not None else None
         frozen = not any(t.requires_grad for t in self._sources(module))

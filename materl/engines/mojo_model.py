@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from materl.engines.hf import causal_lm_of
+from materl.engines.models import merged_lora_weight
 from materl.errors import EngineError
 
 # Table layout: mirrors the M_* constants of kernels/llama_engine.mojo.
@@ -179,7 +180,7 @@ class ModelTable:
                 sources += [module.lora_A[a].weight, module.lora_B[a].weight]
 
             def merge():
-                weight = base.weight.detach() + sum(module.get_delta_weight(a) for a in adapters)
+                weight = merged_lora_weight(module, adapters)
                 bias = base.bias.detach().float().contiguous() if base.bias is not None else None
                 return weight.float().contiguous(), bias
 
