@@ -11,10 +11,11 @@
 # Decoding (up to STREAM_ROWS rows) streams every weight once per call, so its speed is how fast
 # one thread pulls weights from memory. Its tile is all rows x two weight rows: each x load feeds
 # two FMAs (9 loads per 8 FMAs with one weight row), and 16 accumulators fit the 32 vector
-# registers of AVX-512 machines (three weight rows spill: slower; elsewhere one weight row). The weight rows are prefetched
-# into L2 (prefetcht1), 4 KB ahead. On SmolLM2-135M, 8 rows, the Zen 4 machine of
-# benchmarks/RESULTS.md ("decode", 2026-11-26): 32 -> 24 ms a step on two threads, 58 -> 41 ms on
-# one (one weight row, prefetched into L1: 32 / 58 ms; into L2 alone: 28 / 45 ms).
+# registers of AVX-512 machines (three weight rows spill: slower; elsewhere one weight row). The
+# weights are prefetched into L2 (prefetcht1) 32 KB ahead. On SmolLM2-135M, 8 rows, the Zen 4
+# machine of benchmarks/RESULTS.md ("decode", 2026-11-26): 32 -> 22.5 ms a step on two threads,
+# 58 -> 35 ms on one (before: one weight row, prefetched into L1 4 KB ahead); one row: 18 ms on
+# two threads, what torch's sum of the same 538 MB takes.
 
 from std.sys import prefetch, PrefetchOptions, CompilationTarget
 from std.utils import StaticTuple
@@ -30,7 +31,7 @@ comptime ROW_CHUNK = 64  # rows of x kept hot in L2 while all weight rows stream
 comptime STREAM_ROWS = 8  # up to this many rows: two weight rows at a time, every row of x
 # weight rows per decode tile: 2 where 16 accumulators fit the registers (AVX-512's 32), else 1
 comptime DECODE_NR = 2 if CompilationTarget.has_avx512f() else 1
-comptime PREFETCH = 1024  # floats ahead of each streamed weight row (4 KB: further than the hardware prefetcher runs)
+comptime PREFETCH = 8192  # floats ahead of each streamed weight row (32 KB; 4 KB: 26 ms, 16-64 KB: the same 22-23 ms)
 
 
 @always_inline
