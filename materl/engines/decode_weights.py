@@ -31,19 +31,11 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from materl.engines.models import lora_merged, merged_lora_weight
+from materl.engines.models import lora_merged, merged_lora_weight, peft_lora_layer_type
 
 
 def packing_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-def _lora_layer_type():
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return ()
-    return LoraLayer
 
 
 def _packed_linear(weight: Tensor, bias: Tensor | None, x: Tensor, *args, **kwargs) -> Tensor:
@@ -88,7 +80,7 @@ class DecodeWeights:
 
     def _targets(self, lm: nn.Module) -> list[nn.Module]:
         """LoRA layers (not their inner Linears) and plain Linears, if all can be packed."""
-        lora_type = _lora_layer_type()
+        lora_type = peft_lora_layer_type()
         out: list[nn.Module] = []
 
         def walk(module: nn.Module) -> None:

@@ -241,6 +241,15 @@ def apply_lora(model, *, r: int = 16, alpha: float = 32, dropout: float = 0.0, t
     return get_peft_model(model, config)
 
 
+def peft_lora_layer_type() -> type | tuple:
+    """peft's ``LoraLayer`` for ``isinstance`` checks, or ``()`` (matches nothing) without peft."""
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # no peft: no LoRA layers either
+        return ()
+    return LoraLayer
+
+
 def merged_lora_weight(layer, adapters) -> torch.Tensor:
     """``W + sum_a scale_a * B_a @ A_a`` of a peft LoRA layer, as a new tensor outside autograd.
 
@@ -270,12 +279,8 @@ def lora_merged(model):
     ``merge_adapter``/``unmerge_adapter`` add and subtract in place, which drifts). Not for
     training: the adapters get no gradient inside.
     """
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # no peft: no LoRA layers either
-        yield
-        return
-    layers = [m for m in model.modules() if isinstance(m, LoraLayer) and not m.merged and not m.disable_adapters]
+    lora = peft_lora_layer_type()
+    layers = [m for m in model.modules() if isinstance(m, lora) and not m.merged and not m.disable_adapters]
     swapped = []
     try:
         with torch.no_grad():

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from materl.engines.hf import causal_lm_of
-from materl.engines.models import merged_lora_weight
+from materl.engines.models import merged_lora_weight, peft_lora_layer_type
 from materl.errors import EngineError
 
 # Table layout: mirrors the M_* constants of kernels/llama_engine.mojo.
@@ -98,14 +98,6 @@ def model_shape(model) -> Shape:
     return shape
 
 
-def _lora_type():
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return ()
-    return LoraLayer
-
-
 def _in_place(t: Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu"
 
@@ -120,7 +112,7 @@ class ModelTable:
         self._copied: dict[int, tuple[tuple, Tensor, Tensor | None, bool]] = {}  # id -> key, weight, bias, frozen
         self._cos = self._sin = torch.empty(0)
         self._table: Tensor | None = None
-        self._lora = _lora_type()
+        self._lora = peft_lora_layer_type()
 
     @property
     def rope_positions(self) -> int:
