@@ -129,10 +129,6 @@ class ThreadChooser:
         self.used = {t: 0 for t in self.options}  # calls per thread count (benchmarks read it)
         self._kinds = {False: _Estimates(), True: _Estimates()}  # keyed by "more than STREAM_ROWS rows"
 
-    @property
-    def calls(self) -> int:
-        return sum(k.calls for k in self._kinds.values())
-
     def pick(self, rows: int = 1) -> int:
         k = self._kinds[rows > self.STREAM_ROWS]
         k.calls += 1
