@@ -256,8 +256,9 @@ def merged_lora_weight(layer, adapters) -> torch.Tensor:
     One ``addmm`` per adapter: W is read once and the sum written once, instead of peft's
     ``get_delta_weight`` (a product, a scaled copy, then the sum: three (out, in) tensors). That
     matters where the adapters change every step and each rollout merges them again (the Mojo
-    engine's table for SmolLM2's 120 q/k/v/o layers: 56 -> 41 ms). peft's own delta is used where the layout is not the plain
-    product (``fan_in_fan_out``) or the dtypes differ (peft casts half-precision adapters on CPU).
+    engine's table for SmolLM2's 120 q/k/v/o layers: 56 -> 41 ms). peft's own delta is used where
+    the layout is not the plain product (``fan_in_fan_out``) or the dtypes differ (peft casts
+    half-precision adapters on CPU).
     """
     weight = layer.get_base_layer().weight.detach()
     for a in adapters:
