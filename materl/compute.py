@@ -18,19 +18,12 @@ loop's thread: both paid it on every step.
 Memory. The same two threads of work also churn memory: every step frees the decode copies and
 the learner's activations, hundreds of MB, and glibc handed them back to the OS, so the next
 phase faulted them in again (300,000 minor faults and 0.6 s of system time per SmolLM2 step).
-``tune_allocator`` (run once, when compute work is first served) keeps freed memory in the heap
-for reuse: allocations up to 32 MB come from the heap (``M_MMAP_THRESHOLD``) and free memory is
-returned only past 1 GB (``M_TRIM_THRESHOLD``). Set ``MATERL_MALLOC=default`` to leave glibc's
-settings alone.
-
-Which thread. ``Compiled.run`` (blocking) makes its calling thread the compute thread while the
-step runs in the background event loop (``serving``), and a blocking ``call`` with nobody serving
-runs in its caller, so a script that loads a model, trains and evaluates from its main thread
-keeps one pool (and shares it with other torch code in that thread, e.g. TRL in
-benchmarks/vs_trl.py). ``acall`` with nobody serving (``await compiled.arun(...)`` in a user's
-event loop) cannot run in the loop's thread: it uses one daemon thread, started on first use
-with the starting thread's torch thread count. Work called from the compute thread itself runs
-inline, so nesting cannot deadlock.
+``tune_allocator`` (run once, when compute work is first served) keeps freed memory for reuse:
+it installs ``materl.cpu_allocator`` (torch's CPU tensors in a range of their own, so that the
+freed activations are not cut up by autograd's small objects and the gradients reuse them) and
+sets glibc, which still serves everything else, to keep freed memory in its heap: allocations
+up to 32 MB come from the heap (``M_MMAP_THRESHOLD``) and free memory is returned only past 1 GB
+(``M_TRIM_THRESHOLD``). ``MATERL_MALLOC=glibc`` skips the first, ``MATERL_MALLOC=default`` both.
 """
 
 from __future__ import annotations
@@ -46,6 +39,8 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import anyio
+
+from materl import cpu_allocator
 
 T = TypeVar("T")
 
@@ -88,7 +83,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>
 
 @functools.cache
 def tune_allocator() -> bool:
-    """Keep freed memory in the heap between phases (see the module docstring). True if applied."""
+    """Keep freed memory for reuse between phases (see the module docstring). True if glibc's
+    settings were applied; ``cpu_allocator.unavailable()`` says whether the tensor range is used."""
+    cpu_allocator.install()  # which skips itself under MATERL_MALLOC=glibc or default
     if os.environ.get("MATERL_MALLOC", "").lower() == "default":
         return False
     try:
