@@ -67,6 +67,34 @@ def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     return float(total)
 
 
+def init_adamw_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Give each AdamW parameter the state its first ``step()`` would create (step 0, zero
+    moments; ``tests/compiler/test_optimizer_step.py`` holds it to torch's own), now. Made before
+    the first forward, the moments (twice the trainable weights) lie together, below the step's
+    memory, rather than in the holes the first backward left, which the next steps' activations
+    and gradients then cannot use whole (SmolLM2 full fine-tuning: 2557 instead of 2608 MiB peak).
+    A parameter an earlier optimizer holds is skipped: one Agent bound under two names has two
+    optimizers, and only the first steps (its ``zero_grad`` leaves the second no gradients)."""
+    seen: set[int] = set()
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+            continue
+        for group in opt.param_groups:
+            on_device = group["fused"] or group["capturable"]
+            scalar = torch.float32 if group["fused"] or torch.get_default_dtype() != torch.float64 else torch.float64
+            for p in group["params"]:
+                state, fresh = opt.state[p], id(p) not in seen
+                seen.add(id(p))
+                if state or not fresh:
+                    continue
+                state["step"] = (torch.zeros((), dtype=scalar, device=p.device) if on_device
+                                 else torch.tensor(0.0, dtype=scalar))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
 class Compiled:
     def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions, *, rollout_only: bool = False):
         self.recipe = recipe
@@ -172,6 +200,8 @@ class Compiled:
         agents = {id(a): a for a in self.agents.values()}.values()
         for agent in agents:
             agent.sleep_engine()  # the rollout stage is over: free decode-only memory
+        if self.step_count == 0:
+            await compute.acall(init_adamw_state, list(self.optimizers.values()))
         learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_step)
         t0 = time.perf_counter()
         await learner.prepare()
