@@ -23,8 +23,9 @@ deleter; tensors under 4 KiB, and any once the range is full, still come from gl
 ``torch.profiler``'s memory events are reported as by torch's own allocator.
 
 Reserved: twice the machine's RAM of address space, ``MAP_NORESERVE``; only written pages count.
-Freed memory stays resident for reuse (as ``compute.tune_allocator`` keeps glibc's), except a
-free top of the range past 1 GiB, which goes back to the OS.
+Freed memory stays with the process for reuse, as torch's CUDA caching allocator keeps GPU
+memory: giving a free top of the range back to the OS past 1 GiB, as glibc does, made materl
+refault ~600 MiB every step when TRL and materl alternate in one process (``vs_trl.py``).
 
 Where no compiler or no torch headers are found, or the build fails, ``install`` returns False
 and says why in ``unavailable()``; glibc serves everything, as before. ``MATERL_MALLOC=glibc``
@@ -45,7 +46,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
 BUILD_TIMEOUT_S = 300
-STATS = ("in_use", "peak_in_use", "top", "high_water", "free_blocks")
+STATS = ("in_use", "peak_in_use", "top", "free_blocks")
 
 _lib: ctypes.CDLL | None = None
 _why_not = "not installed yet"
@@ -109,7 +110,8 @@ def _build() -> Path:
     if not (include / "c10" / "core" / "Allocator.h").is_file():
         raise RuntimeError(f"torch's C++ headers are missing from {include}")
     source = SOURCE.read_bytes()
-    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++17", "-shared", "-fPIC", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
     digest = hashlib.sha256(b"\0".join([source, cxx.encode(), *map(str.encode, flags)])).hexdigest()[:16]
     base = os.environ.get("MATERL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "materl")
     out = Path(base) / "native" / torch.__version__ / digest / "libmaterl_cpu_allocator.so"
