@@ -52,7 +52,8 @@ class DecodeWeights:
 
     def clear(self, *, frozen: bool = False) -> None:
         """Drop the copies of trainable weights (and of frozen ones too if ``frozen``); the memory
-        goes back to the heap, where the learner reuses it (``materl.compute.tune_allocator``)."""
+        goes back to the allocator, which keeps it for the learner
+        (``materl.compute.tune_allocator``)."""
         self._cache = {} if frozen else {k: v for k, v in self._cache.items() if v[3]}
 
     @contextmanager
