@@ -19,8 +19,9 @@ Memory. The same two threads of work also churn memory: every step frees the dec
 the learner's activations, hundreds of MB, and glibc handed them back to the OS, so the next
 phase faulted them in again (300,000 minor faults and 0.6 s of system time per SmolLM2 step).
 ``tune_allocator`` (run once, when compute work is first served) keeps freed memory for reuse:
-it installs ``materl.cpu_allocator`` (torch's CPU tensors in a range of their own, so that the
-freed activations are not cut up by autograd's small objects and the gradients reuse them) and
+it installs ``materl.cpu_allocator`` (the tensors of compute work items in a range of their own,
+so that the freed activations are not cut up by autograd's small objects and the gradients reuse
+them; other code's tensors keep glibc) and
 sets glibc, which still serves everything else, to keep freed memory in its heap: allocations
 up to 32 MB come from the heap (``M_MMAP_THRESHOLD``) and free memory is returned only past 1 GB
 (``M_TRIM_THRESHOLD``). ``MATERL_MALLOC=glibc`` skips the first, ``MATERL_MALLOC=default`` both.
@@ -64,7 +65,9 @@ class _Server:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(fn(*args, **kwargs))
+            with cpu_allocator.scope():
+                result = fn(*args, **kwargs)
+            future.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(exc)
 
@@ -150,7 +153,8 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     with _lock:
         server = _serving[-1] if _serving else None
     if server is None or _inline(server):
-        return fn(*args, **kwargs)
+        with cpu_allocator.scope():
+            return fn(*args, **kwargs)
     return server.submit(fn, args, kwargs).result()
 
 
@@ -159,7 +163,8 @@ async def acall(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     cancellable once submitted (like ``anyio.to_thread.run_sync``): the work finishes."""
     server = _target()
     if _inline(server):
-        return fn(*args, **kwargs)
+        with cpu_allocator.scope():
+            return fn(*args, **kwargs)
     future = server.submit(fn, args, kwargs)
     return await anyio.to_thread.run_sync(future.result)
 

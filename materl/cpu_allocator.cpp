@@ -1,13 +1,14 @@
 // torch's CPU allocator with tensor data in an address range of its own; see cpu_allocator.py.
 //
 // One region of address space is reserved up front (MAP_NORESERVE: pages cost memory only once
-// written). Every CPU tensor of at least kSmallBytes is carved from it, best fit (the smallest
-// free block that holds the request, the lowest address among equals), and a freed block merges
-// with free neighbours at once. Smaller tensors, and anything once the region is full, go to
-// c10::alloc_cpu (glibc) as before. The point is what is *not* in the region: the small C++
-// objects that autograd makes between a step's tensors (graph nodes, saved-variable records).
-// In glibc's heap they sit between the freed activations and cut their space into pieces too
-// small for the next layer's gradients; here freed tensor space stays whole.
+// written). Every CPU tensor of at least kSmallBytes that a thread allocates inside a scope
+// (materl_cpu_allocator_enter/exit, around materl's compute work) is carved from it, best fit
+// (the smallest free block that holds the request, the lowest address among equals), and a freed
+// block merges with free neighbours at once. Smaller tensors, other code's tensors, and anything
+// once the region is full go to c10::alloc_cpu (glibc) as before. The point is what is *not* in
+// the region: the small C++ objects that autograd makes between a step's tensors (graph nodes,
+// saved-variable records). In glibc's heap they sit between the freed activations and cut their
+// space into pieces too small for the next layer's gradients; here freed tensor space stays whole.
 //
 // Freed memory stays with the process for reuse (as torch's CUDA caching allocator keeps GPU
 // memory): returning the free top of the range to the OS past a threshold, as glibc does, cost
@@ -138,6 +139,7 @@ class Region {
 // Never destroyed: tensors are still freed after this library's static destructors would run
 // (torch's own statics, at exit), and c10 keeps a pointer to the allocator.
 Region& region = *new Region;
+thread_local int scope_depth = 0;  // > 0: this thread is doing materl's compute work
 
 void release(void* p) {
   c10::profiledCPUMemoryReporter().Delete(p);
@@ -150,7 +152,7 @@ void release(void* p) {
 
 struct RegionAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
-    void* p = n >= kSmallBytes ? region.allocate(n) : nullptr;
+    void* p = scope_depth > 0 && n >= kSmallBytes ? region.allocate(n) : nullptr;
     if (p == nullptr) p = c10::alloc_cpu(n);
     c10::profiledCPUMemoryReporter().New(p, n);  // what torch.profiler's profile_memory reads
     return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
@@ -176,6 +178,9 @@ int materl_cpu_allocator_install(uint64_t bytes) {
   c10::SetCPUAllocator(&allocator, /*priority=*/100);
   return 0;
 }
+
+void materl_cpu_allocator_enter() { ++scope_depth; }
+void materl_cpu_allocator_exit() { --scope_depth; }
 
 int materl_cpu_allocator_owns(uint64_t address) {
   return region.owns(reinterpret_cast<void*>(address)) ? 1 : 0;

@@ -2,6 +2,8 @@
 
     from materl import cpu_allocator
     cpu_allocator.install()        # True, or False with the reason in cpu_allocator.unavailable()
+    with cpu_allocator.scope():    # this thread's tensors come from the range (compute work does this)
+        x = torch.empty(1 << 20)
     cpu_allocator.stats()          # {"in_use": ..., "peak_in_use": ..., "top": ..., ...} in bytes
 
 Why. With glibc, a training step's tensors share the heap with the small C++ objects autograd
@@ -14,12 +16,18 @@ every CPU tensor of 4 KiB or more comes from one reserved range, best fit with f
 merged at once, and the small objects stay in glibc's heap: the freed activations stay whole and
 the gradients reuse them. Same step: 2557 MiB peak RSS instead of 2865.
 
+Whose tensors. Only those a thread allocates inside ``scope()``; ``materl.compute`` runs every
+work item (decoding, the learner, loading models) in one. Other code in the process keeps
+glibc: TRL alternating with materl in one process (``benchmarks/vs_trl.py``) ran ~1 s a step
+faster on the range, which TRL as shipped does not have.
+
 How. ``cpu_allocator.cpp`` subclasses ``c10::Allocator`` and installs it with
 ``c10::SetCPUAllocator``; torch 2.13 offers that from C++ only. It is compiled on first use with
 the system's C++ compiler (``$CXX``, else ``c++``/``g++``) against the installed torch's headers
 and ``libc10``, into ``$MATERL_CACHE_DIR/native/<torch version>/<source hash>/`` (default
 ``~/.cache/materl``; about a second, once). Tensors allocated before ``install`` keep their own
-deleter; tensors under 4 KiB, and any once the range is full, still come from glibc.
+deleter; tensors under 4 KiB, those allocated outside a scope, and any once the range is full
+still come from glibc.
 ``torch.profiler``'s memory events are reported as by torch's own allocator.
 
 Reserved: twice the machine's RAM of address space, ``MAP_NORESERVE``; only written pages count.
@@ -42,6 +50,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("cpu_allocator.cpp")
@@ -76,6 +85,19 @@ def install() -> bool:
         return False
     _lib, _why_not = lib, ""
     return True
+
+
+@contextmanager
+def scope():
+    """Inside, this thread's CPU tensors come from the range (when installed). Nests."""
+    if _lib is None:
+        yield
+        return
+    _lib.materl_cpu_allocator_enter()
+    try:
+        yield
+    finally:
+        _lib.materl_cpu_allocator_exit()
 
 
 def unavailable() -> str | None:

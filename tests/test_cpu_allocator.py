@@ -1,4 +1,5 @@
-"""materl.cpu_allocator: torch's CPU tensors from a range of their own, best fit, merged on free.
+"""materl.cpu_allocator: compute work's CPU tensors from a range of their own, best fit, merged on
+free; other code's from glibc.
 
 Placement is checked in fresh subprocesses (nothing else has allocated there); the pytest process
 itself runs with the allocator installed once any compute work has run (``compute.tune_allocator``).
@@ -13,7 +14,7 @@ import threading
 import pytest
 import torch
 
-from materl import cpu_allocator
+from materl import compute, cpu_allocator
 
 pytestmark = pytest.mark.skipif(not cpu_allocator.install(), reason=f"no allocator: {cpu_allocator.unavailable()}")
 
@@ -27,12 +28,24 @@ def _run(code: str, **env: str) -> str:
 
 def test_large_tensors_come_from_the_range_small_ones_from_glibc():
     before = cpu_allocator.stats()["in_use"]
-    big, small = torch.full((1 << 18,), 3.0), torch.ones(16)
+    with cpu_allocator.scope():
+        big, small = torch.full((1 << 18,), 3.0), torch.ones(16)
     assert cpu_allocator.owns(big) and not cpu_allocator.owns(small)
     assert cpu_allocator.stats()["in_use"] >= before + big.nbytes
     assert float(big.sum()) == 3.0 * (1 << 18)
-    del big
+    del big  # freed outside the scope: back to the range all the same
     assert cpu_allocator.stats()["in_use"] == before
+
+
+def test_only_compute_work_and_scopes_use_the_range():
+    outside = torch.empty(1 << 18)
+    work = compute.call(torch.empty, 1 << 18)
+    with cpu_allocator.scope():
+        with cpu_allocator.scope():
+            nested = torch.empty(1 << 18)
+        after_inner = torch.empty(1 << 18)
+    assert [cpu_allocator.owns(t) for t in (outside, work, nested, after_inner)] == [False, True, True, True]
+    assert not cpu_allocator.owns(torch.empty(1 << 18))
 
 
 def test_best_fit_and_freed_neighbours_merge():
@@ -40,6 +53,7 @@ def test_best_fit_and_freed_neighbours_merge():
         import torch
         from materl import cpu_allocator
         assert cpu_allocator.install()
+        inside = cpu_allocator.scope(); inside.__enter__()  # for the rest of the script
         MiB = 1 << 20
         t = lambda n: torch.empty(n, dtype=torch.uint8)
         a, b, c, d, guard = t(MiB), t(MiB), t(MiB), t(3 * MiB), t(64 << 10)
@@ -59,6 +73,7 @@ def test_freed_memory_stays_resident_for_reuse():
         import resource, torch
         from materl import cpu_allocator
         assert cpu_allocator.install()
+        inside = cpu_allocator.scope(); inside.__enter__()  # for the rest of the script
         faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         big = torch.ones(300 << 20)       # 1200 MiB, written: ~300,000 page faults
         at, top = big.data_ptr(), cpu_allocator.stats()["top"]
@@ -76,6 +91,10 @@ def test_threads_allocating_at_once_keep_their_data():
     errors = []
 
     def work(k: int) -> None:
+        with cpu_allocator.scope():
+            churn(k)
+
+    def churn(k: int) -> None:
         gen = torch.Generator().manual_seed(k)
         live = []
         for i in range(150):
@@ -103,6 +122,7 @@ def test_a_forked_child_allocates():
         import os, torch
         from materl import cpu_allocator
         assert cpu_allocator.install()
+        inside = cpu_allocator.scope(); inside.__enter__()  # for the rest of the script
         x = torch.ones(1 << 20)
         pid = os.fork()
         if pid == 0:
@@ -116,7 +136,9 @@ def test_a_forked_child_allocates():
 
 def test_profiler_still_sees_cpu_memory():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        x = torch.ones(1 << 20)
+        with cpu_allocator.scope():
+            x = torch.ones(1 << 20)
+        assert cpu_allocator.owns(x)
         del x
     sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage]
     assert 4 << 20 in sizes and -(4 << 20) in sizes
