@@ -1,4 +1,4 @@
-"""torch's CPU tensors in an address range of their own, apart from glibc's heap.
+"""materl's CPU tensors in an address range of their own, apart from glibc's heap.
 
     from materl import cpu_allocator
     cpu_allocator.install()        # True, or False with the reason in cpu_allocator.unavailable()
@@ -14,7 +14,8 @@ gradients, which then go to fresh memory: full fine-tuning of SmolLM2-135M kept 
 inside a 1.7 GiB heap at the end of every backward (benchmarks/RESULTS.md, ``## vs_trl``). Here
 every CPU tensor of 4 KiB or more comes from one reserved range, best fit with free neighbours
 merged at once, and the small objects stay in glibc's heap: the freed activations stay whole and
-the gradients reuse them. Same step: 2557 MiB peak RSS instead of 2865.
+the gradients reuse them. Same steps: 2555 MiB peak RSS instead of 2824-2865 (with AdamW's
+state made ahead, ``compiler.compiled.init_adamw_state``).
 
 Whose tensors. Only those a thread allocates inside ``scope()``; ``materl.compute`` runs every
 work item (decoding, the learner, loading models) in one. Other code in the process keeps
@@ -27,8 +28,8 @@ the system's C++ compiler (``$CXX``, else ``c++``/``g++``) against the installed
 and ``libc10``, into ``$MATERL_CACHE_DIR/native/<torch version>/<source hash>/`` (default
 ``~/.cache/materl``; about a second, once). Tensors allocated before ``install`` keep their own
 deleter; tensors under 4 KiB, those allocated outside a scope, and any once the range is full
-still come from glibc.
-``torch.profiler``'s memory events are reported as by torch's own allocator.
+still come from glibc. ``torch.profiler``'s memory events are reported as by torch's own
+allocator.
 
 Reserved: twice the machine's RAM of address space, ``MAP_NORESERVE``; only written pages count.
 Freed memory stays with the process for reuse, as torch's CUDA caching allocator keeps GPU
