@@ -18,13 +18,22 @@ loop's thread: both paid it on every step.
 Memory. The same two threads of work also churn memory: every step frees the decode copies and
 the learner's activations, hundreds of MB, and glibc handed them back to the OS, so the next
 phase faulted them in again (300,000 minor faults and 0.6 s of system time per SmolLM2 step).
-``tune_allocator`` (run once, when compute work is first served) keeps freed memory for reuse:
-it installs ``materl.cpu_allocator`` (the tensors of compute work items in a range of their own,
-so that the freed activations are not cut up by autograd's small objects and the gradients reuse
-them; other code's tensors keep glibc) and
-sets glibc, which still serves everything else, to keep freed memory in its heap: allocations
-up to 32 MB come from the heap (``M_MMAP_THRESHOLD``) and free memory is returned only past 1 GB
-(``M_TRIM_THRESHOLD``). ``MATERL_MALLOC=glibc`` skips the first, ``MATERL_MALLOC=default`` both.
+``tune_allocator`` (run once, when compute work is first served) keeps freed memory for reuse.
+It installs ``materl.cpu_allocator``: the tensors of compute work items come from a range of
+their own, so autograd's small objects do not cut up the freed activations and the gradients
+reuse them; other code's tensors keep glibc. And it sets glibc, which serves everything else, to
+keep freed memory in its heap: allocations up to 32 MB come from the heap (``M_MMAP_THRESHOLD``)
+and free memory is returned only past 1 GB (``M_TRIM_THRESHOLD``). ``MATERL_MALLOC=glibc`` skips
+the first, ``MATERL_MALLOC=default`` both.
+
+Which thread. ``Compiled.run`` (blocking) makes its calling thread the compute thread while the
+step runs in the background event loop (``serving``), and a blocking ``call`` with nobody serving
+runs in its caller, so a script that loads a model, trains and evaluates from its main thread
+keeps one pool (and shares it with other torch code in that thread, e.g. TRL in
+benchmarks/vs_trl.py). ``acall`` with nobody serving (``await compiled.arun(...)`` in a user's
+event loop) cannot run in the loop's thread: it uses one daemon thread, started on first use
+with the starting thread's torch thread count. Work called from the compute thread itself runs
+inline, so nesting cannot deadlock.
 """
 
 from __future__ import annotations

@@ -113,8 +113,8 @@ def owns(tensor) -> bool:
 
 def stats() -> dict[str, int]:
     """Bytes in live blocks (``in_use``), their peak since the last call (``peak_in_use``), the
-    end of the used range (``top``), its highest point so far (``high_water``: the range's pages
-    that were ever touched) and the count of free blocks. Empty when not installed."""
+    end of the used range (``top``: it never comes down, and the pages below it stay resident once
+    written) and the count of free blocks. Empty when not installed."""
     if _lib is None:
         return {}
     out = (ctypes.c_uint64 * len(STATS))()
