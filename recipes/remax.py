@@ -13,7 +13,8 @@ def remax(policy, prompts):
     completions = ml.generate(policy, prompts, name="completions")
     greedy = ml.generate(policy, prompts, greedy=True, name="greedy")
     logprobs = ml.logprobs(policy, prompts, completions, name="policy_logprobs")
-    baseline = ml.reward("length", weight=0.1, rollout=greedy) + ml.reward("diversity", weight=0.9, rollout=greedy)
+    baseline = ml.reward("length", weight=0.1, rollout=greedy, name="greedy_length") \
+        + ml.reward("diversity", weight=0.9, rollout=greedy, name="greedy_diversity")
     rewards = ml.reward("length", weight=0.1, rollout=completions) \
         + ml.reward("diversity", weight=0.9, rollout=completions)
     advantages = ml.advantages(rewards, estimator="remax", baseline=baseline, completions=completions,

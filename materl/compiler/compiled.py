@@ -244,9 +244,9 @@ class Compiled:
         rollouts = [r for r in (self.episode_rollout(e) for e in ok) if r is not None]
         m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
         results = [x for r in rollouts for x in r.tool_results]
-        if results:  # tool success: the fraction of tool calls that returned without an error
-            m["tool_calls"] = len(results) / len(rollouts)
-            m["tool_success"] = sum(not x.is_error for x in results) / len(results)
+        if results or self.plan.calls_tools():  # every step of a tool recipe has both: 0 and 0 without a call
+            m["tool_calls"] = len(results) / max(1, len(rollouts))
+            m["tool_success"] = sum(not x.is_error for x in results) / len(results) if results else 0.0
         for e in episodes:
             for k, v in e.timings.items():
                 m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

@@ -64,6 +64,10 @@ class Plan:
     def generates(self) -> bool:
         return self.rollout_node() is not None
 
+    def calls_tools(self) -> bool:
+        """Whether an episode node calls tools (``call_tools``)."""
+        return any(self.role(n) is Role.TOOLS for n in self.episode)
+
     def explain(self) -> str:
         r = self.recipe
         lines = [f"plan for {r.where}"]

@@ -99,10 +99,13 @@ class RewardTerm:
     name: str = ""
 
     def label(self) -> str:
+        """The term's name in prints and metrics (``reward/<label>/mean``): ``name=``, else the
+        registry name or function name; a Value's is its node's name (``Builder.term_label``
+        adds the field for ops with several outputs)."""
         if self.name:
             return self.name
         if isinstance(self.source, Value):
-            return self.source.ref
+            return self.source.node
         return self.source if isinstance(self.source, str) else getattr(self.source, "__name__", "reward")
 
 
@@ -259,7 +262,7 @@ class Builder:
 
         terms = []
         for t in expr.terms:
-            spec: dict[str, Any] = {"weight": t.weight, "label": t.label()}
+            spec: dict[str, Any] = {"weight": t.weight, "label": self.term_label(t)}
             if isinstance(t.source, Value):
                 spec["input"] = index(t.source.ref)
             else:
@@ -273,6 +276,13 @@ class Builder:
         expr.value = self.add("rewards", [Value(*_split(r)) for r in refs], {"terms": terms},
                               scope="episode", name=name, default_name="rewards")
         return expr.value
+
+    def term_label(self, term: RewardTerm) -> str:
+        """``term.label()``; a Value of an op with several outputs adds the field (``penalty.scores``)."""
+        source = term.source
+        if term.name or not isinstance(source, Value) or not source.path or source.node not in self.names():
+            return term.label()
+        return term.label() if len(self.get(source.node).outputs) <= 1 else source.ref
 
     def _default_scored(self, term: RewardTerm) -> str:
         latest = self.latest_completions(f"reward {term.label()!r}")
@@ -300,8 +310,31 @@ class Builder:
     def freeze(self, *, origin: str = "", doc: str = "") -> Recipe:
         for expr in list(self.pending_rewards):
             self.materialize(expr)
+        self.nodes = unique_term_labels(self.nodes)
         return Recipe(self.name, tuple(self.params), tuple(self.agents), tuple(self.nodes),
                       tuple(self.losses), self.defaults, origin, doc)
+
+
+def unique_term_labels(nodes: list[Node]) -> list[Node]:
+    """Reward terms named apart over all the recipe's rewards nodes, in node order: a label taken
+    by an earlier term becomes ``<label>_2``, ``<label>_3``... (each term has its own
+    ``reward/<label>`` metric; two terms never add into one)."""
+    taken: set[str] = set()
+    out = []
+    for n in nodes:
+        if n.op != "rewards":
+            out.append(n)
+            continue
+        terms = []
+        for t in n.params["terms"]:
+            label, k = t["label"], 2
+            while label in taken:
+                label, k = f"{t['label']}_{k}", k + 1
+            taken.add(label)
+            terms.append(t if label == t["label"] else {**t, "label": label})
+        changed = any(a is not b for a, b in zip(terms, n.params["terms"]))
+        out.append(n.replace(params={**n.params, "terms": terms}) if changed else n)
+    return out
 
 
 def _split(ref: str) -> tuple[str, tuple[str, ...]]:

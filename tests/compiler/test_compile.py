@@ -263,7 +263,7 @@ def test_seed_custom_penalty_recipe_with_a_mojo_op(tiny, tmp_path):
     step = ml.compile(custom_penalty_rl, **agents_for(custom_penalty_rl, tiny), group_size=2, max_new_tokens=6)
     assert "mojo (user kernel)" in step.explain()
     m = step.run(prompts=["a", "b"])
-    assert m["failed_episodes"] == 0 and "reward/repetition_penalty.penalty_scores/mean" in m
+    assert m["failed_episodes"] == 0 and "reward/repetition_penalty/mean" in m
 
     bad = tmp_path / "broken.mojo"
     bad.write_text("@export\ndef broken(x: Int) abi(\"C\") -> Int:\n    return undefined_name\n")

@@ -1,0 +1,105 @@
+"""A step's metrics read as the recipe was written: each reward term under its own name
+(``reward/<term>/mean``), and ``tool_calls``/``tool_success`` in every step of a tool recipe."""
+
+import dataclasses
+
+import torch
+
+import materl as ml
+from materl.compiler.compiled import Compiled
+from materl.compiler.options import CompileOptions
+from materl.rollout.episode import StepResult
+from materl.rollout.mcp import PythonTools, mcp_tools
+from materl.rollout.types import ToolCall
+
+
+@ml.op
+def faithful(completions: torch.Tensor) -> {"faithful": torch.Tensor}:
+    return {"faithful": torch.full((len(completions),), 0.25)}
+
+
+@ml.op
+def pair(completions: torch.Tensor) -> {"low": torch.Tensor, "high": torch.Tensor}:
+    n = len(completions)
+    return {"low": torch.full((n,), 1.0), "high": torch.full((n,), 3.0)}
+
+
+def one(*, completions, **_):
+    return [1.0] * len(completions)
+
+
+def two(*, completions, **_):
+    return [2.0] * len(completions)
+
+
+@ml.recipe
+def shaped(policy, prompts):
+    completions = ml.generate(policy, prompts, name="completions")
+    p = pair(completions)
+    rewards = (faithful(completions) + p.low + 0.5 * p.high
+               + ml.reward(one, name="bonus") + ml.reward(two, name="bonus"))
+    ml.advantages(rewards, name="advantages")
+
+
+def test_terms_are_named_after_the_op_or_name_and_kept_apart():
+    # an op with one output: its name; with several: name.field; a name taken: _2
+    assert "{terms=1*faithful + 1*pair.low + 0.5*pair.high + 1*bonus + 1*bonus_2}" in str(shaped.node("rewards"))
+
+
+def test_each_term_has_its_own_mean_under_its_name():
+    compiled = Compiled(shaped, {"policy": ml.Agent("tiny-random")}, CompileOptions(max_new_tokens=3, group_size=2),
+                        rollout_only=True)
+    try:
+        m = compiled.rollout_metrics(compiled.call_blocking(compiled.rollout, ["a", "b"]))
+    finally:
+        compiled.close()
+    terms = {k: v for k, v in m.items() if k.startswith("reward/") and k.endswith("/mean")}
+    # unweighted scores: faithful 0.25, pair.low 1, pair.high 3 (its weight 0.5 is not applied), bonus 1, bonus_2 2
+    assert terms == {"reward/faithful/mean": 0.25, "reward/pair.low/mean": 1.0, "reward/pair.high/mean": 3.0,
+                     "reward/bonus/mean": 1.0, "reward/bonus_2/mean": 2.0}
+    # the weighted total: 0.25 + 1 + 0.5 * 3 + 1 + 2 = 5.75 for every episode, so std 0
+    assert m["reward"] == 5.75 and m["reward/std"] == 0.0
+    assert "tool_calls" not in m and "tool_success" not in m  # no tools in this recipe
+
+
+class Clock:
+    def now(self) -> str:
+        """The time."""
+        return "noon"
+
+
+def tool_recipe(toolbox, *, force: bool):
+    @ml.op
+    async def force_call(step) -> {"step": StepResult}:
+        state = step.history
+        last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall("now", {}, id="call_0")],
+                                   finish_reason="tool_call")
+        return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+
+    @ml.recipe
+    def with_tools(policy, prompts):
+        step = ml.generate_step(policy, prompts, name="turn_1")
+        if force:
+            step = force_call(step)
+        results = ml.call_tools(step, tools=toolbox, name="tools_1")
+        ml.structure_rollout(ml.generate_step(policy, step.history, results, name="turn_2"), name="rollout")
+
+    return with_tools
+
+
+def tool_metrics(*, force: bool) -> dict:
+    compiled = Compiled(tool_recipe(mcp_tools(PythonTools(Clock)), force=force), {"policy": ml.Agent("tiny-random")},
+                        CompileOptions(max_new_tokens=3, group_size=2), rollout_only=True)
+    try:
+        return compiled.rollout_metrics(compiled.call_blocking(compiled.rollout, ["a"]))
+    finally:
+        compiled.close()
+
+
+def test_tool_metrics_are_zero_on_a_step_without_calls():
+    # the tiny random model never writes a tool call: 0 calls per episode, and 0 success (no signal)
+    m = tool_metrics(force=False)
+    assert m["episodes"] == 2 and (m["tool_calls"], m["tool_success"]) == (0.0, 0.0)
+    # one forced call per episode, answered without an error: 1 call per episode, all succeeded
+    m = tool_metrics(force=True)
+    assert (m["tool_calls"], m["tool_success"]) == (1.0, 1.0)
