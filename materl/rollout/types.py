@@ -122,6 +122,19 @@ class Rollout:
 
     # -- text views --
     @property
+    def question(self) -> str:
+        """What the episode was asked: ``prompt_text`` when set, else the last user message before
+        the model's first turn (a few-shot prompt's example turns come before it). Every generate
+        step adds one assistant message, so the model's turns are the last ``num_turns``
+        assistant messages; environment observations after them are not the question."""
+        if self.prompt_text:
+            return self.prompt_text
+        assistant = [i for i, m in enumerate(self.messages) if m.get("role") == "assistant"]
+        model_turns = min(self.num_turns, len(assistant))
+        first = assistant[len(assistant) - model_turns] if model_turns else len(self.messages)
+        return last_user_message(self.messages[:first])
+
+    @property
     def text(self) -> str:
         """The text of the last generate step (the final answer of a multi-turn episode)."""
         gens = [s for s in self.steps if s.kind == "generate"]
@@ -158,3 +171,9 @@ class Rollout:
             if s.reward is not None and end >= 0 and s.token_ids:
                 out[end] += s.reward
         return out
+
+
+def last_user_message(messages: list[dict[str, Any]]) -> str:
+    """The content of the last ``user`` message ("" without one): a chat prompt's question."""
+    users = [m.get("content", "") for m in messages if m.get("role") == "user"]
+    return str(users[-1]) if users else ""

@@ -399,12 +399,10 @@ def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str,
 
 
 def _prompt_text(rollout: Any, tokenizer: Any) -> str:
-    if rollout.prompt_text:
-        return rollout.prompt_text
-    if rollout.messages:
-        user = [m.get("content", "") for m in rollout.messages if m.get("role") == "user"]
-        if user:
-            return str(user[0])
+    """The question (``Rollout.question``: the last user message of the prompt, not a few-shot
+    example's), else the decoded prompt."""
+    if rollout.question:
+        return rollout.question
     if tokenizer is not None and rollout.prompt_ids:
         return tokenizer.decode(rollout.prompt_ids, skip_special_tokens=False)
     return f"({len(rollout.prompt_ids)} prompt tokens)"

@@ -210,13 +210,18 @@ def test_plot_is_written_without_evaluation(tmp_path):
 
     step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
                       group_size=2, max_new_tokens=4)
-    train(step, arithmetic_rows(4, seed=0), steps=2, batch_size=2, run_dir=tmp_path, progress=False,
-          tensorboard=False, samples_every=1)
+    few_shot = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "2"}]
+    rows = [{**r, "prompt": few_shot + [{"role": "user", "content": r["prompt"]}]} for r in arithmetic_rows(4, seed=0)]
+    train(step, rows, steps=2, batch_size=2, run_dir=tmp_path, progress=False, tensorboard=False, samples_every=1)
     step.close()
     assert [t for t, _ in plot_series(read_metrics(tmp_path / "metrics.jsonl"))][:2] == ["reward", "loss"]
     assert (tmp_path / "plot.png").exists()
     sample = (tmp_path / "samples" / "step-000002.txt").read_text()
     assert "REWARDS: reward/diversity=" in sample and "reward/length=" in sample  # each episode's reward terms
+    # each episode shows its own question, never the few-shot example's
+    questions = {r["prompt"][-1]["content"] for r in rows}
+    shown = [line.removeprefix("PROMPT: ") for line in sample.splitlines() if line.startswith("PROMPT: ")]
+    assert len(shown) == 4 and set(shown) <= questions
 
 
 def test_episode_bar_counts_episodes_and_failures(tmp_path):
@@ -264,6 +269,23 @@ def test_format_episode_shows_turns_calls_results_and_rewards():
         "STEP REWARDS: 0.2, 1 (sum 1.2)",
         "REWARDS: reward/answer=1",
     ]
+
+
+def test_the_question_is_the_prompts_last_user_message():
+    few_shot = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+1?"},
+                {"role": "assistant", "content": "2"}, {"role": "user", "content": "What is 6*7?"}]
+    turns = [{"role": "assistant", "content": "call"}, {"role": "tool", "content": "42"},
+             {"role": "assistant", "content": "42"}]
+    steps = [Step("generate", [1], [-0.1]), Step("tool", [2]), Step("generate", [3], [-0.1])]
+    r = Rollout([0], steps, messages=few_shot + turns)
+    assert r.question == "What is 6*7?"
+    assert format_episode(r).splitlines()[0] == "PROMPT: What is 6*7?"
+    # an environment's observation comes as a user message after the model's first turn: not the question
+    env = Rollout([0], [Step("generate", [1], [-0.1]), Step("tool", [2]), Step("generate", [3], [-0.1])],
+                  messages=few_shot + [{"role": "assistant", "content": "5"}, {"role": "user", "content": "higher"},
+                                       {"role": "assistant", "content": "8"}])
+    assert env.question == "What is 6*7?"
+    assert Rollout([0], [], prompt_text="given").question == "given" and Rollout([0]).question == ""
 
 
 def test_format_episode_decodes_tokens_and_shows_errors():

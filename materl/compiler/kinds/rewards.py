@@ -31,15 +31,15 @@ from materl.kernels.rewards import pad_ids
 from materl.ops._masked import place_on_last_trained
 from materl.ops.rewards import Reward, RewardSum
 from materl.rollout.episode import StepResult
-from materl.rollout.types import Rollout, Step
+from materl.rollout.types import Rollout, Step, last_user_message
 
 
 def prompt_text(prompt: Any) -> str:
+    """The ``prompts`` a reward sees: a chat prompt's last user message (``Rollout.question``)."""
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt", prompt.get("messages"))
     if isinstance(prompt, list):
-        users = [m["content"] for m in prompt if m.get("role") == "user"]
-        return users[-1] if users else ""
+        return last_user_message(prompt)
     return str(prompt)
 
 
