@@ -55,7 +55,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
           learner_ranks: int = 1, learner_strategy: str = "ddp") -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
-    history, evaluations and the last checkpoint path.
+    history, evaluations and the last checkpoint path. Every record has metrics.jsonl's keys:
+    ``history`` the step's metrics, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
 
     Seeds torch, Python's ``random`` and numpy's global RNG with ``seed`` (reward code that uses
     any of them reproduces). A step whose episodes fail too often raises ``StepFailedError``
@@ -181,8 +182,9 @@ class _Run:
             return
         with self.logger.episode_bar(len(self.eval_rows), f"eval @ step {step}") as tick:
             result = await evaluate_async(self.compiled, self.eval_rows, on_episode=tick)
-        self.evals.append({"step": step, **result})
-        self.logger.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))})
+        record = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+        self.evals.append({"step": step, **record})  # the keys metrics.jsonl has
+        self.logger.log(step, record)
 
     async def save(self, step: int, metrics: dict, pipeline: Pipeline, sampler_state: dict | None) -> None:
         """A checkpoint after ``step``: weights, optimizers, schedulers, the data position of the
