@@ -5,6 +5,7 @@
     materl export CHECKPOINT OUT_DIR [--agent policy] [--no-merge]
     materl recipes [NAME] [--tool SERVER]                  list built-in recipes / print one's graph
     materl tools COMMAND...                                list an MCP server's tools
+    materl compare RUN_DIR RUN_DIR ... [--metrics reward,loss] [--out compare.png]
     materl bench kernels                                   kernel benchmarks
 
 Errors materl raises on purpose (``MaterlError``) print their message to stderr (the first line
@@ -77,6 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     tl.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     tl.set_defaults(func=cmd_tools)
 
+    c = sub.add_parser("compare", help="final and best metrics of runs side by side, and one plot of them")
+    c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders runs wrote (each with metrics.jsonl)")
+    c.add_argument("--metrics", default=None, metavar="NAMES",
+                   help="comma-separated metric names or shell patterns (reward/*/mean) for the table and the "
+                        "plot (default: every common metric in the table; reward, reward terms, loss, "
+                        "eval/accuracy, eval/reward, tool_success in the plot)")
+    c.add_argument("--out", default="compare.png", help="where the plot is written (default: compare.png)")
+    c.set_defaults(func=cmd_compare)
+
     b = sub.add_parser("bench", help="run benchmarks")
     b.add_argument("what", choices=["kernels"])
     b.set_defaults(func=cmd_bench)
@@ -141,6 +151,16 @@ def cmd_tools(args: argparse.Namespace) -> int:
     spec: Any = server[0] if len(server) == 1 and "://" in server[0] else server
     for tool in list_tools(spec, timeout_s=args.timeout):
         print(describe_tool(tool))
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from materl.runtime.compare import compare
+
+    metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics is not None else None
+    table, plot = compare(args.run_dirs, metrics=metrics, out=args.out)
+    print(table)
+    print(f"plot: {plot}" if plot is not None else "plot: none (no metric to draw; choose some with --metrics)")
     return 0
 
 

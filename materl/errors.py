@@ -42,6 +42,10 @@ class ModelNotFoundError(MaterlError, FileNotFoundError):
     """A model name or path does not resolve to loadable weights."""
 
 
+class RunNotFoundError(MaterlError, FileNotFoundError):
+    """A run dir is missing, or holds no metrics.jsonl records (``materl compare``)."""
+
+
 class EngineError(MaterlError, RuntimeError):
     """A generation engine failed or was misused."""
 

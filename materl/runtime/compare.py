@@ -1,0 +1,170 @@
+"""``materl compare RUN_DIR RUN_DIR ...``: several runs side by side, read from their
+``metrics.jsonl``.
+
+    table = compare_table(runs, metrics)            # final and best of each metric, per run
+    figure = draw_comparison(runs, metrics)         # one panel per metric, one line per run
+
+A metric's *final* value is its value at the last step that logged it; its *best* is the max or
+the min over the steps, by the metric's direction (``direction``, from its name):
+
+- up (max): ``reward`` and every ``reward/...`` (each term's mean), names ending in
+  ``accuracy``, ``tool_success``, ``tokens_per_s``;
+- down (min): ``loss`` and ``loss/...``, names ending in ``loss`` (``dpo_loss``), ``time/...``,
+  ``failed``, ``failed_episodes``, ``failures/...``;
+- none: spreads (``.../std``) and everything else (counts such as ``episodes`` and ``tokens``,
+  settings such as ``lr``, diagnostics such as ``kl``, ``entropy``, ``grad_norm``,
+  ``policy_loss/clipfrac``): the table shows ``-`` for their best.
+
+An ``eval/`` prefix keeps the direction of the name after it (``eval/accuracy`` is up). (TRL and
+verl leave this to TensorBoard / W&B; the table is what a shaping experiment's report needs.)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from materl.errors import ConfigError, RunNotFoundError
+from materl.runtime.logging import METRICS_FILE, read_metrics
+
+PLOT_FILE = "compare.png"
+# what the plot draws without --metrics (those every run has)
+DEFAULT_PLOT = ("reward", "reward/*/mean", "loss", "eval/accuracy", "eval/reward", "tool_success")
+UP_LAST = ("accuracy", "tool_success", "tokens_per_s")
+DOWN_FIRST = ("time", "failures")
+DOWN_LAST = ("failed", "failed_episodes")
+
+Run = Mapping[int, Mapping[str, float]]  # step -> that step's merged record
+
+
+def direction(metric: str) -> str | None:
+    """``"max"``, ``"min"`` or None (no best) for a metric name; see the module docstring."""
+    parts = metric.split("/")
+    if parts[0] == "eval" and len(parts) > 1:
+        parts = parts[1:]
+    if parts[-1] == "std":
+        return None
+    if parts[0] == "reward" or parts[-1] in UP_LAST or parts[-1].endswith("accuracy"):
+        return "max"
+    if parts[0] in DOWN_FIRST or parts[0] == "loss" or parts[-1] in DOWN_LAST or parts[-1].endswith("loss"):
+        return "min"
+    return None
+
+
+def load_runs(run_dirs: Sequence[str | Path]) -> dict[str, Run]:
+    """``{run dir as given: {step: record}}``; RunNotFoundError for a missing folder, one without
+    ``metrics.jsonl`` or one whose file holds no record."""
+    runs: dict[str, Run] = {}
+    for given in run_dirs:
+        path = Path(given)
+        if not path.is_dir():
+            what = "is a file, not a run folder" if path.exists() else "does not exist"
+            raise RunNotFoundError(f"run dir {str(given)!r} {what} (resolved: {path.resolve()}); give the folders "
+                                   f"ml.train(run_dir=...) or train.run_dir wrote")
+        if not (path / METRICS_FILE).is_file():
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+            raise RunNotFoundError(f"run dir {str(given)!r} has no {METRICS_FILE} (it holds: {found}); a run writes "
+                                   f"it at its first step")
+        records = read_metrics(path / METRICS_FILE)
+        if not records:
+            raise RunNotFoundError(f"{path / METRICS_FILE} holds no record (every line empty or unreadable)")
+        runs[str(given)] = records
+    return runs
+
+
+def common_metrics(runs: Mapping[str, Run]) -> list[str]:
+    """The metrics every run logged (at some step), sorted."""
+    keys = [{k for rec in run.values() for k in rec} for run in runs.values()]
+    return sorted(set.intersection(*keys)) if keys else []
+
+
+def select(common: Sequence[str], wanted: Sequence[str] | None, *, default: Sequence[str] = ()) -> list[str]:
+    """The common metrics that the names or shell patterns ``wanted`` match (in their order), or
+    those ``default`` matches when ``wanted`` is None. A wanted name that matches no common
+    metric is a ConfigError listing them."""
+    patterns = list(wanted) if wanted is not None else list(default)
+    out: list[str] = []
+    for pattern in patterns:
+        hits = [m for m in common if fnmatch.fnmatchcase(m, pattern)]
+        if not hits and wanted is not None:
+            raise ConfigError(f"--metrics {pattern!r} matches no metric that every run has; common metrics: "
+                              f"{', '.join(common) or 'none'}")
+        out += [m for m in hits if m not in out]
+    return out
+
+
+def series(run: Run, metric: str) -> tuple[list[int], list[float]]:
+    """The steps that logged ``metric`` and its values there, in step order."""
+    pts = [(s, rec[metric]) for s, rec in sorted(run.items()) if metric in rec]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def final_and_best(run: Run, metric: str) -> tuple[float, tuple[float, int] | None]:
+    """``(final value, (best value, its step) or None)``; the first step wins a tie."""
+    steps, values = series(run, metric)
+    how = direction(metric)
+    if how is None:
+        return values[-1], None
+    pick = max if how == "max" else min
+    best = pick(values)
+    return values[-1], (best, steps[values.index(best)])
+
+
+def compare_table(runs: Mapping[str, Run], metrics: Sequence[str]) -> str:
+    """A text table: one row per metric, a ``final`` and a ``best`` column per run (``best`` as
+    ``value @step``, ``-`` for a metric without a direction)."""
+    header = ["metric"] + [f"{label} {col}" for label in runs for col in ("final", "best")]
+    rows = [header]
+    for metric in metrics:
+        row = [metric]
+        for run in runs.values():
+            final, best = final_and_best(run, metric)
+            row += [f"{final:.4g}", f"{best[0]:.4g} @{best[1]}" if best is not None else "-"]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
+                     .rstrip() for r in rows)
+
+
+def draw_comparison(runs: Mapping[str, Run], metrics: Sequence[str]):
+    """A matplotlib Figure (Agg canvas) with one panel per metric and one line per run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(7.0, 2.3 * len(metrics)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, metric in zip(axes, metrics):
+        for label, run in runs.items():
+            steps, values = series(run, metric)
+            ax.plot(steps, values, label=label, linestyle="--" if metric.startswith("eval/") else "-",
+                    marker="o" if len(steps) < 30 else None, markersize=3)
+        ax.set_ylabel(metric, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")  # the same runs, in the same colours, in every panel
+    axes[-1].set_xlabel("step")
+    axes[-1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    return fig
+
+
+def compare(run_dirs: Sequence[str | Path], *, metrics: Sequence[str] | None = None,
+            out: str | Path = PLOT_FILE) -> tuple[str, Path | None]:
+    """What ``materl compare`` runs: the table of ``metrics`` (default: every common metric) and
+    the plot of ``metrics`` (default: ``DEFAULT_PLOT``'s common ones) written to ``out``;
+    returns ``(table, plot path)`` (no path when there is nothing to draw)."""
+    if len(run_dirs) < 1:
+        raise ConfigError("compare: give at least one run dir")
+    runs = load_runs(run_dirs)
+    common = common_metrics(runs)
+    if not common:
+        raise ConfigError(f"compare: the runs have no metric in common ({', '.join(runs)})")
+    table = compare_table(runs, select(common, metrics) if metrics is not None else common)
+    drawn = select(common, metrics, default=DEFAULT_PLOT)
+    if not drawn:
+        return table, None
+    fig = draw_comparison(runs, drawn)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(str(out), dpi=100)
+    return table, Path(out)

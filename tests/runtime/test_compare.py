@@ -1,0 +1,133 @@
+"""``materl compare``: the final and best value of each metric runs share (best by the metric's
+direction), one overlaid plot, and clear errors for a folder that is not a run."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import materl as ml
+from materl.cli import main
+from materl.errors import ConfigError, RunNotFoundError
+from materl.recipes import grpo
+from materl.runtime.compare import compare, direction, draw_comparison, load_runs
+from materl.runtime.tasks import arithmetic_split
+from materl.runtime.train import train
+
+
+def write_run(folder, records):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return folder
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    # run a: reward 0.2, 0.8, 0.5 -> final 0.5, best (max) 0.8 at step 2
+    #        loss   1.0, 0.4, 0.6 -> final 0.6, best (min) 0.4 at step 2
+    # run b: reward 0.1, 0.3, 0.9 -> final = best 0.9 at step 3; loss 0.9, 0.7, 0.2 -> final = best 0.2 at step 3
+    # eval/accuracy (steps 0 and 3): a 0.25 -> 0.75, b 0.5 -> 0.5 (a tie: the first step is the best)
+    a = write_run(tmp_path / "runs" / "a", [
+        {"step": 0, "eval/accuracy": 0.25},
+        {"step": 1, "reward": 0.2, "loss": 1.0, "lr": 1e-4, "only_a": 1.0},
+        {"step": 2, "reward": 0.8, "loss": 0.4, "lr": 1e-4},
+        {"step": 3, "reward": 0.5, "loss": 0.6, "lr": 1e-4},
+        {"step": 3, "eval/accuracy": 0.75},
+    ])
+    b = write_run(tmp_path / "runs" / "b", [
+        {"step": 0, "eval/accuracy": 0.5},
+        {"step": 1, "reward": 0.1, "loss": 0.9, "lr": 3e-4},
+        {"step": 2, "reward": 0.3, "loss": 0.7, "lr": 3e-4},
+        {"step": 3, "reward": 0.9, "loss": 0.2, "lr": 3e-4},
+        {"step": 3, "eval/accuracy": 0.5},
+    ])
+    return a, b
+
+
+def table_rows(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    return {line.split()[0]: line.split()[1:] for line in lines[1:] if not line.startswith("plot: ")}
+
+
+def test_direction_follows_the_documented_rule():
+    up = ["reward", "reward/answer/mean", "eval/reward", "eval/reward/answer", "eval/accuracy", "dpo_loss/accuracy",
+          "tool_success", "eval/tool_success", "tokens_per_s"]
+    down = ["loss", "loss/policy_loss", "dpo_loss", "time/step", "time/node/rewards", "failed_episodes", "eval/failed",
+            "failures/rewards/RuntimeError"]
+    none = ["reward/std", "reward/answer/std", "episodes", "tokens", "lr", "kl", "entropy", "grad_norm",
+            "policy_loss/clipfrac", "policy_loss/kl", "tool_calls"]
+    assert [direction(m) for m in up] == ["max"] * len(up)
+    assert [direction(m) for m in down] == ["min"] * len(down)
+    assert [direction(m) for m in none] == [None] * len(none)
+
+
+def test_table_has_final_and_best_of_the_common_metrics(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    out_png = tmp_path / "plots" / "ab.png"
+    assert main(["compare", str(a), str(b), "--out", str(out_png)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["metric", str(a), "final", str(a), "best", str(b), "final", str(b), "best"]
+    rows = table_rows(out)
+    assert list(rows) == ["eval/accuracy", "loss", "lr", "reward"]  # only_a is not in both runs
+    assert rows["reward"] == ["0.5", "0.8", "@2", "0.9", "0.9", "@3"]
+    assert rows["loss"] == ["0.6", "0.4", "@2", "0.2", "0.2", "@3"]
+    assert rows["eval/accuracy"] == ["0.75", "0.75", "@3", "0.5", "0.5", "@0"]
+    assert rows["lr"] == ["0.0001", "-", "0.0003", "-"]  # a setting has no best
+    assert out.splitlines()[-1] == f"plot: {out_png}" and out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_metrics_option_picks_rows_and_panels(two_runs, tmp_path, capsys, monkeypatch):
+    a, b = two_runs
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", str(a), str(b), "--metrics", "reward, eval/*"]) == 0
+    out = capsys.readouterr().out
+    assert list(table_rows(out)) == ["reward", "eval/accuracy"]  # in the order asked
+    assert out.splitlines()[-1] == "plot: compare.png" and (tmp_path / "compare.png").exists()  # the default path
+    fig = draw_comparison(load_runs([a, b]), ["reward", "eval/accuracy"])
+    drawn = {ax.get_ylabel(): {line.get_label(): line.get_xydata().tolist() for line in ax.get_lines()}
+             for ax in fig.axes}
+    assert drawn["reward"] == {str(a): [[1, 0.2], [2, 0.8], [3, 0.5]], str(b): [[1, 0.1], [2, 0.3], [3, 0.9]]}
+    assert drawn["eval/accuracy"] == {str(a): [[0, 0.25], [3, 0.75]], str(b): [[0, 0.5], [3, 0.5]]}
+    with pytest.raises(ConfigError, match=r"--metrics 'only_a' matches no metric that every run has; "
+                                          r"common metrics: eval/accuracy, loss, lr, reward"):
+        compare([a, b], metrics=["only_a"])
+
+
+def test_a_folder_that_is_not_a_run_exits_2(two_runs, tmp_path, capsys):
+    a, _ = two_runs
+    assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"materl compare: error: run dir '{tmp_path / 'missing'}' does not exist")
+    (tmp_path / "not_a_run").mkdir()
+    (tmp_path / "not_a_run" / "notes.txt").write_text("x")
+    assert main(["compare", str(a), str(tmp_path / "not_a_run")]) == 2
+    assert "has no metrics.jsonl (it holds: notes.txt)" in capsys.readouterr().err
+    write_run(tmp_path / "torn", []).joinpath("metrics.jsonl").write_text('{"step": 1, "rew')
+    with pytest.raises(RunNotFoundError, match="holds no record"):
+        load_runs([tmp_path / "torn"])
+    # the console entry point, as a user runs it
+    proc = subprocess.run([sys.executable, "-m", "materl.cli", "compare", str(a), str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_real_run_against_itself(tmp_path, capsys):
+    train_rows, held_out = arithmetic_split(8, 2, seed=0)
+    step = ml.compile(grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                      group_size=2, max_new_tokens=4, lr=1e-3)
+    result = train(step, train_rows, steps=2, batch_size=2, eval_dataset=held_out, eval_every=2,
+                   run_dir=tmp_path / "real", progress=False, tensorboard=False)
+    step.close()
+    shutil.copytree(tmp_path / "real", tmp_path / "copy")
+    assert main(["compare", str(tmp_path / "real"), str(tmp_path / "copy"), "--out", str(tmp_path / "c.png")]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    history = result["history"]
+    for run in (0, 1):  # final = the last step's value; best = max (reward) / min (loss) over the steps
+        assert float(rows["reward"][3 * run]) == pytest.approx(history[-1]["reward"], rel=1e-3)
+        assert float(rows["reward"][3 * run + 1]) == pytest.approx(max(h["reward"] for h in history), rel=1e-3)
+        assert float(rows["loss"][3 * run + 1]) == pytest.approx(min(h["loss"] for h in history), rel=1e-3, abs=1e-4)
+    assert {"reward/length/mean", "reward/diversity/mean", "eval/reward", "time/step"} <= set(rows)
+    fig = draw_comparison(load_runs([tmp_path / "real"]), ["reward", "reward/length/mean", "loss", "eval/reward"])
+    assert [ax.get_ylabel() for ax in fig.axes] == ["reward", "reward/length/mean", "loss", "eval/reward"]
