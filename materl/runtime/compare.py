@@ -156,6 +156,9 @@ def compare(run_dirs: Sequence[str | Path], *, metrics: Sequence[str] | None = N
     returns ``(table, plot path)`` (no path when there is nothing to draw)."""
     if len(run_dirs) < 1:
         raise ConfigError("compare: give at least one run dir")
+    twice = sorted({str(d) for d in run_dirs if [str(x) for x in run_dirs].count(str(d)) > 1})
+    if twice:
+        raise ConfigError(f"compare: run dir(s) given more than once: {', '.join(twice)}")
     runs = load_runs(run_dirs)
     common = common_metrics(runs)
     if not common:

@@ -95,6 +95,21 @@ def test_metrics_option_picks_rows_and_panels(two_runs, tmp_path, capsys, monkey
         compare([a, b], metrics=["only_a"])
 
 
+def test_runs_without_common_metrics_or_plot_panels(two_runs, tmp_path, capsys):
+    a, _ = two_runs
+    other = write_run(tmp_path / "other", [{"step": 1, "entropy": 6.2}])
+    with pytest.raises(ConfigError, match="the runs have no metric in common"):
+        compare([a, other])
+    with pytest.raises(ConfigError, match="given more than once"):
+        compare([a, a])
+    # lr alone has a table row but is none of the default plot's metrics: nothing is drawn
+    only_lr = write_run(tmp_path / "only_lr", [{"step": 1, "lr": 0.1}, {"step": 2, "lr": 0.05}])
+    assert main(["compare", str(only_lr), "--out", str(tmp_path / "none.png")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == ["lr", "0.05", "-"] and out[-1].startswith("plot: none")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_a_folder_that_is_not_a_run_exits_2(two_runs, tmp_path, capsys):
     a, _ = two_runs
     assert main(["compare", str(a), str(tmp_path / "missing")]) == 2
