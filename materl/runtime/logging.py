@@ -358,9 +358,10 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 
 
 def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str, Any] | None = None) -> str:
-    """A readable rendering of a :class:`materl.rollout.types.Rollout`: the prompt, each turn
-    (generated text, tool calls, malformed calls), each tool result or error, step rewards, the
-    episode error, and ``metrics`` (e.g. an episode's ``reward/<component>`` values).
+    """A readable rendering of a :class:`materl.rollout.types.Rollout`: the question
+    (``Rollout.question``), each turn (generated text, tool calls, malformed calls), each tool
+    result or error, step rewards, the episode error, and ``metrics`` (e.g. an episode's
+    ``reward/<term>`` values).
 
     ``tokenizer`` decodes token ids when a step (or the prompt) carries no text.
     """
