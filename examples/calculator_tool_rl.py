@@ -90,7 +90,8 @@ def main() -> None:
     for name, key in [("reward", "reward"), ("answer", "reward/answer/mean"),
                       ("tool success", "reward/tool_success/mean")]:
         print(f"{name:>13}: first 5 steps {mean(history[:5], key):.3f} -> last 5 steps {mean(history[-5:], key):.3f}")
-    print(f"held-out greedy accuracy ({len(test_rows)} questions): {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}"
+    print(f"held-out greedy accuracy ({len(test_rows)} questions): "
+          f"{before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}"
           f"  (tool success {before.get('eval/tool_success', 0.0):.3f} -> {after.get('eval/tool_success', 0.0):.3f})")
     print(f"wall time {time.perf_counter() - t0:.0f}s; checkpoint {result['checkpoint']}")
 

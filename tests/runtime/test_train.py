@@ -65,7 +65,8 @@ def test_train_rlhf_in_one_call(tmp_path):
                            steps=2, batch_size=2, test_size=2, eval_every=2, run_dir=str(tmp_path / "run"),
                            use_mojo=False, group_size=2, max_new_tokens=4, lr=1e-3)
     assert result["final"]["step"] == 2.0 and result["final"]["episodes"] == 4.0  # 2 prompts x group 2
-    assert [e["step"] for e in result["evals"]] == [0, 2] and result["evals"][0]["eval/episodes"] == 2.0  # the 2 held out
+    assert [e["step"] for e in result["evals"]] == [0, 2]
+    assert result["evals"][0]["eval/episodes"] == 2.0  # the 2 held out
     assert Path(result["checkpoint"]).is_dir() and (tmp_path / "run" / "metrics.jsonl").exists()
     # the evaluations are metrics.jsonl's evaluation records: same keys, same values
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
