@@ -47,9 +47,12 @@ from materl.ops.advantages import (
     group_statistics,
 )
 
-__all__ = ["process", "step_ends"]
+__all__ = ["GRPO_FAMILY", "STEP_CREDIT", "process", "step_ends"]
 
 PROCESS_SCALES = ("group", "none")
+# ml.advantages(step_credit=...): how step rewards are credited under a GRPO-family estimator
+STEP_CREDIT = ("process", "sum")
+GRPO_FAMILY = {"grpo": "group", "dr_grpo": "none"}  # estimator -> process's scale
 
 
 def step_ends(mask_B_T: Tensor) -> Tensor:
