@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import materl as ml
 from materl.compiler.episode import Episode
@@ -70,7 +72,7 @@ def test_a_user_anchor_and_an_environment_anchor_pick_the_step_groups():
     r = two_turns(7)
     r.steps[0].metadata["anchor"] = "room-3"
     assert observation_anchor(r, 1) == ("env", "room-3")
-    assert observation_anchor(two_turns(7), 1) == ("observation", (7,)) and observation_anchor(r, 0) == ("prompt",)
+    assert observation_anchor(two_turns(7), 1) == ("observation", 1, (7,)) and observation_anchor(r, 0) == ("prompt",)
 
 
 def test_bad_options_and_unhashable_anchors_are_clear_errors():
@@ -104,3 +106,42 @@ def test_a_recipe_trains_with_gigpo_advantages():
         for e, adv in zip(group, again["advantages"]):
             assert torch.equal(e.resolve("adv"), adv)
     step.close()
+
+
+# ---------------------------------------------------------------- property: turn and GiGPO
+
+turn_shapes = st.lists(st.tuples(st.integers(1, 3), st.integers(1, 2), st.sampled_from((-0.5, 0.0, 0.2, 1.0))),
+                       min_size=1, max_size=3)  # (trained tokens, tool tokens after, the turn's reward)
+
+
+def episode_of(turns):
+    steps, tokens = [], []
+    for j, (n, tool, r) in enumerate(turns):
+        steps.append(gen(n))
+        tokens += [0.0] * (n - 1) + [r]
+        if j < len(turns) - 1:  # the tool output between turns
+            steps.append(Step("tool", [7] * tool))
+            tokens += [0.0] * tool
+    return Rollout([9], steps), torch.tensor(tokens)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=st.lists(turn_shapes, min_size=1, max_size=4), identical=st.booleans(),
+       op=st.sampled_from(["turn_advantages", "gigpo_advantages"]))
+def test_turn_and_gigpo_are_finite_bounded_and_zero_on_identical_episodes(shapes, identical, op):
+    """One group: identical copies of one episode (any number of turns, one copy = a singleton
+    group left by failed episodes) or different episodes. No eps blow-up; identical copies (two
+    or more) carry no signal."""
+    from materl.compiler.kinds.turn_advantages import turn_advantages_batch
+
+    shapes = [shapes[0]] * len(shapes) if identical else shapes
+    pairs = [episode_of(s) for s in shapes]
+    eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(len(pairs))]
+    params = {"gamma": 0.95, "eps": 1e-6} | ({"omega": 1.0, "norm": "std"} if op == "gigpo_advantages" else {})
+    node = Node("adv", op, ("rewards", "rollout"), params, "group")
+    batch = gigpo_advantages_batch if op == "gigpo_advantages" else turn_advantages_batch
+    out = batch(None, node, eps, [[t for _, t in pairs], [r for r, _ in pairs]])
+    adv = torch.cat(out["advantages"])
+    assert torch.isfinite(adv).all() and adv.abs().max() <= 100
+    if identical and len(pairs) > 1:
+        assert (adv == 0).all()

@@ -25,8 +25,10 @@ its A^S is 0 (the paper's std of one value is undefined). Equal values give exac
 The anchor state of turn t (0-based) of a rollout: ``anchor(rollout, t) -> hashable`` when given;
 by default (``observation_anchor``) turn 0's is the prompt (the same for the whole group), a later
 turn's is the ``"anchor"`` an environment put in ``EnvStep.info`` for the turn before (the state
-it moved to), else the exact token ids of the tool results / environment reply that precede the
-turn (two episodes whose calls returned the same result are in the same state).
+it moved to; the same state at another turn is the same anchor, as in the paper), else the turn's
+index and the exact token ids of the tool results / environment reply that precede it (two
+episodes whose calls returned the same result are in the same state; the same result at another
+turn is not, since the model's context differs).
 ``%adv.returns`` are the R_t^(i) on the turn's trained tokens.
 """
 
@@ -77,7 +79,7 @@ def observation_anchor(rollout: Rollout, turn: int) -> Hashable:
     given = rollout.steps[before].metadata.get("anchor")
     if given is not None:
         return ("env", given)
-    return ("observation", tuple(t for s in rollout.steps[before + 1:at] for t in s.token_ids))
+    return ("observation", turn, tuple(t for s in rollout.steps[before + 1:at] for t in s.token_ids))
 
 
 def _normalised(value: float, stats: tuple[float, float], norm: str, eps: float) -> float:
