@@ -31,6 +31,8 @@ _EXPORTS = {
         "structure_rollout", "value_loss", "values",
     ],
     "materl.compiler.compiled": ["Compiled", "compile"],
+    "materl.compiler.kinds.turn_advantages": ["turn_advantages"],
+    "materl.compiler.kinds.gigpo_advantages": ["gigpo_advantages"],
     "materl.agent": ["Agent"],
     "materl.rollout.mcp": ["MCPServer", "PythonTools", "Toolbox", "mcp_tools"],
     "materl.rollout.env": ["Environment"],

@@ -11,8 +11,13 @@ turn made a well-formed tool call (-0.5 for a malformed one) as a STEP reward on
 token (``format_as_step=True``, the default), or as an outcome term (``False``). By default a
 well-formed call earns the format reward even when the tool answers it with an error;
 ``format_needs_success=True`` pays it only for calls that work (the demo's setting). Advantages are
-GRPO's (Shao et al. 2024, arXiv:2402.03300) over the summed reward; the loss is the clipped
-surrogate averaged over tokens (DAPO's token mean), with an optional k3 KL to the reference.
+GRPO's (Shao et al. 2024, arXiv:2402.03300); with the step reward, ``step_credit`` picks how
+steps are credited: ``"process"`` (default: DeepSeekMath's process supervision, every step reward
+normalised over all the group's step rewards), ``"turn"`` (``ml.turn_advantages``: turn j
+against turn j of the group, MT-GRPO style) or ``"gigpo"`` (``ml.gigpo_advantages``: episode
+plus same-state step advantages, arXiv:2505.10978); docs/reward-shaping.md compares them. The
+loss is the clipped surrogate averaged over tokens (DAPO's token mean), with an optional k3 KL
+to the reference.
 
 Differences from the canonical GRPO: multi-turn episodes with tool output masked out; no KL by
 default (``kl_coef=0``, as in DAPO and Dr. GRPO; the reference forward is then skipped).
@@ -33,6 +38,15 @@ import re
 import materl as ml
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+STEP_CREDIT = ("process", "turn", "gigpo")
+
+
+def _advantages(step_credit: str, rewards, rollout):
+    if step_credit == "turn":
+        return ml.turn_advantages(rewards, rollout, name="advantages")
+    if step_credit == "gigpo":
+        return ml.gigpo_advantages(rewards, rollout, name="advantages")
+    return ml.advantages(rewards, estimator="grpo", completions=rollout, name="advantages")
 
 
 def tool_call_format(*, rollouts, **_):
@@ -67,13 +81,16 @@ def final_answer(*, completions, answer, **_):
 
 def grpo_tools_recipe(toolbox, *, turns: int = 2, answer_weight: float = 1.0, format_weight: float = 0.2,
                       success_weight: float = 0.2, kl_coef: float = 0.0, show_schemas: bool = True,
-                      format_as_step: bool = True, format_needs_success: bool = False):
+                      format_as_step: bool = True, format_needs_success: bool = False, step_credit: str = "process"):
     """The recipe for a given toolbox (tools are part of the recipe: by default their schemas
     enter the chat template). ``turns``: model turns per episode (2 = call, then answer).
     ``format_as_step``: the tool-call format reward is a step reward on turn 1's last token
     (credits exactly the tokens that made the call); False makes it an outcome term like the
     others (the demo's tuned setting). ``format_needs_success``: the format reward is paid only
-    for a well-formed call whose tool results are not errors (``tool_call_format_succeeded``)."""
+    for a well-formed call whose tool results are not errors (``tool_call_format_succeeded``).
+    ``step_credit``: ``"process"``, ``"turn"`` or ``"gigpo"`` (module docstring)."""
+    if step_credit not in STEP_CREDIT:
+        raise ml.RecipeError(f"grpo_tools_recipe(step_credit={step_credit!r}): valid: {', '.join(STEP_CREDIT)}")
     schemas = toolbox if show_schemas else None
     fmt = tool_call_format_succeeded if format_needs_success else tool_call_format
 
@@ -90,7 +107,7 @@ def grpo_tools_recipe(toolbox, *, turns: int = 2, answer_weight: float = 1.0, fo
                         step=first if format_as_step else None)
             + ml.reward("tool_success", rollout=rollout, weight=success_weight)
         )
-        advantages = ml.advantages(rewards, estimator="grpo", completions=rollout, name="advantages")
+        advantages = _advantages(step_credit, rewards, rollout)
         policy_logprobs = ml.logprobs(policy, prompts, rollout, name="policy_logprobs")
         ref_logprobs = ml.logprobs(ref_policy, prompts, rollout, name="ref_logprobs") if kl_coef else None
         ml.set_loss(ml.policy_loss(advantages, policy_logprobs, ref_logprobs, loss="ppo_clip",

@@ -16,3 +16,18 @@ def test_unknown_op_and_implementation_are_errors():
         compare_implementations("repetiton")
     with pytest.raises(ConfigError, match="no implementation \\['python'\\]"):
         compare_implementations("policy_loss", ["python"], [2], length=8, repeat=1)
+
+
+def test_the_reward_shaping_benchmark_runs_a_smoke_configuration(tmp_path):
+    # benchmarks/reward_shaping.py end to end on the tiny model: the calculator server, grpo_tools
+    # with a GiGPO-credited step reward, evaluations before and after (the figures need SmolLM2)
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from reward_shaping import main
+
+    runs = main(["--model", "tiny-random", "--methods", "gigpo", "--seeds", "0", "--steps", "1",
+                 "--eval-questions", "1", "--run-dir", str(tmp_path), "--out", str(tmp_path / "runs.json")])
+    assert [(r["method"], r["seed"], [s for s, _ in r["evals"]]) for r in runs] == [("gigpo", 0, [0, 1])]
+    assert (tmp_path / "runs.json").exists() and (tmp_path / "gigpo_seed0").is_dir()

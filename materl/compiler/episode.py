@@ -44,10 +44,12 @@ class Episode:
     timings: dict[str, float] = field(default_factory=dict)
     error: Any = None  # a materl.compiler.failures.Failure once the episode failed
     filtered: bool = False  # left out by a group filter (dynamic sampling)
+    infra: str | None = None  # the first tool failure that was not the model's (failures.INFRA_ERROR_KINDS)
+    excluded: str | None = None  # why it is left out of baselines and the update (infra_failures="mask")
 
     @property
     def ok(self) -> bool:
-        return self.error is None and not self.filtered
+        return self.error is None and not self.filtered and self.excluded is None
 
     def store(self, name: str, value: Any) -> None:
         self.values[name] = value

@@ -11,6 +11,18 @@ first error of each distinct kind (node, error type) with its count; so does a s
 update at all. Below the threshold, each new kind is logged once per compiled step (not every
 step) and every step's metrics count failures per kind (``failures/<node>/<ErrorType>``).
 (TRL raises on the first reward error; verl's DAPO raises once it cannot fill a batch.)
+
+Infrastructure failures (compile option ``infra_failures``). A tool call that failed for a reason
+that is not the model's (``INFRA_ERROR_KINDS``: timeout, crash, protocol, unavailable; not
+``invalid_call``, the model's own malformed call, nor ``tool``, the tool's own error result)
+marks its episode (``Episode.infra``). With ``"mask"`` (the default) such an episode is left out
+of its group's baseline and of the update, and the rest of its group is normalised without it; a
+group that infrastructure failures leave with fewer than two episodes is dropped whole (one
+episode has no baseline to compare with). ``"keep"`` trains on them as real rewards. Either way
+the step's metrics count failed calls per kind (``infra_failures/<kind>``), the episodes left out
+(``infra_failures/episodes_masked``) and the groups dropped (``infra_failures/groups_dropped``).
+(rLLM #710: time-limited episodes trained as done; NeMo-Gym #3351: masked rows still entered the
+group baseline.)
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from materl.errors import StepFailedError
+from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.types import Rollout, ToolResult
 
 log = logging.getLogger("materl")
 
@@ -55,8 +69,9 @@ class FailurePolicy:
         self._logged: set[tuple[str, str]] = set()
 
     def metrics(self, episodes: Sequence[Any]) -> dict[str, float]:
-        """``failures/<node>/<kind>`` counts; logs each kind the first time it is seen."""
-        out: dict[str, float] = {}
+        """``failures/<node>/<kind>`` and ``infra_failures/*`` counts; logs each failure kind the
+        first time it is seen."""
+        out: dict[str, float] = infra_metrics(episodes)
         for f in _failures(episodes):
             key = f"failures/{f.node}/{f.kind}"
             out[key] = out.get(key, 0.0) + 1.0
@@ -81,8 +96,11 @@ class FailurePolicy:
             return
         failures = _failures(episodes)
         filtered = sum(1 for e in episodes if e.error is None and e.filtered)
+        masked = sum(1 for e in episodes if e.error is None and not e.filtered and e.excluded is not None)
         why = [f"{len(failures)} failed"] * bool(failures) + [
-            f"{filtered} filtered by dynamic sampling (their group's rewards were all equal)"] * bool(filtered)
+            f"{filtered} filtered by dynamic sampling (their group's rewards were all equal)"] * bool(filtered) + [
+            f"{masked} left out after tool infrastructure failures (infra_failures='mask'; "
+            f"{_kinds(episodes)})"] * bool(masked)
         raise StepFailedError(f"step {step} made no update: of {len(episodes)} episodes, {', '.join(why) or 'none ran'}"
                               + ("\n" + summarize(failures) if failures else ""))
 
@@ -99,3 +117,64 @@ def summarize(failures: Sequence[Failure]) -> str:
 
 def _failures(episodes: Sequence[Any]) -> list[Failure]:
     return [e.error for e in episodes if e.error is not None]
+
+
+# ---------------------------------------------------------------------------- infrastructure failures
+
+INFRA_ERROR_KINDS = ("timeout", "crash", "protocol", "unavailable")
+INFRA_POLICIES = ("mask", "keep")
+
+
+def tool_results(episode: Any) -> list[ToolResult]:
+    """Every tool result of an episode (each once, from whichever of its stored rollouts has it)."""
+    seen: dict[int, ToolResult] = {}
+    for value in episode.values.values():
+        values = value.values() if isinstance(value, dict) else [value]
+        for v in values:
+            if isinstance(v, (StepResult, EpisodeState)):
+                v = v.rollout
+            if isinstance(v, Rollout):
+                for r in v.tool_results:
+                    seen.setdefault(id(r), r)
+    return list(seen.values())
+
+
+def mark_infra_failure(episode: Any, policy: str) -> None:
+    """Set ``episode.infra`` to its first infrastructure failure's kind; with ``"mask"``, leave it out."""
+    kinds = [r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS]
+    episode.infra = kinds[0] if kinds else None
+    if episode.infra is not None and policy == "mask" and episode.error is None:
+        episode.excluded = f"tool infrastructure failure ({episode.infra})"
+
+
+def drop_shrunk_group(members: Sequence[Any], policy: str) -> None:
+    """With ``"mask"``: a group that masked infrastructure failures leave with fewer than two
+    episodes has no baseline; its remaining episode is left out too."""
+    if policy != "mask" or not any(m.infra is not None and m.excluded is not None for m in members):
+        return
+    live = [m for m in members if m.ok]
+    if len(live) < 2:
+        for m in live:
+            m.excluded = "its group has fewer than two episodes left after tool infrastructure failures"
+
+
+def infra_metrics(episodes: Sequence[Any]) -> dict[str, float]:
+    """``infra_failures/<kind>`` (failed calls), ``infra_failures/episodes_masked`` and
+    ``infra_failures/groups_dropped``."""
+    out: dict[str, float] = {}
+    for e in episodes:
+        for r in tool_results(e):
+            if r.error_kind in INFRA_ERROR_KINDS:
+                out[f"infra_failures/{r.error_kind}"] = out.get(f"infra_failures/{r.error_kind}", 0.0) + 1.0
+    masked = [e for e in episodes if e.excluded is not None]
+    if out or masked:
+        out["infra_failures/episodes_masked"] = float(len(masked))
+        hit = {e.group for e in masked if e.infra is not None}
+        out["infra_failures/groups_dropped"] = float(sum(
+            sum(1 for e in episodes if e.group == g and e.ok) < 2 for g in hit))
+    return out
+
+
+def _kinds(episodes: Sequence[Any]) -> str:
+    m = infra_metrics(episodes)
+    return ", ".join(f"{int(v)} x {k.split('/')[1]}" for k, v in m.items() if k.split("/")[1] in INFRA_ERROR_KINDS)

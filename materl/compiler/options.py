@@ -38,6 +38,9 @@ class CompileOptions(BaseModel):
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0,
                                        description="a step in which more episodes fail stops the run")
     system_prompt: str | None = None
+    infra_failures: Literal["mask", "keep"] = Field(
+        "mask", description="episodes with a tool call that failed for a reason not the model's (timeout, crash, "
+        "protocol, unavailable): 'mask' leaves them out of the update and their group's baseline, 'keep' trains on them")
     # asynchronous training (ml.train / materl train; run() is one lock-step step)
     max_staleness: int = Field(0, ge=0, description="rollouts may run this many policy versions ahead of "
                                                     "the learner; 0: lock-step")

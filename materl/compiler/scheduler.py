@@ -25,7 +25,7 @@ import anyio.lowlevel
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, make_episodes, split
-from materl.compiler.failures import Failure
+from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure
 from materl.compiler.spec import spec_of
 from materl.errors import StepTimeoutError
 
@@ -166,11 +166,14 @@ async def rollout_stage(run: Run, episodes: list[Episode], *,
         async def one(ep: Episode) -> None:
             async with limit:
                 await run_episode(run, ep, batchers)
+            mark_infra_failure(ep, run.options.infra_failures)
             if on_episode is not None:
                 on_episode(ep)
             remaining[ep.group] -= 1
-            if remaining[ep.group] == 0 and plan.group:
-                firer.ready(groups[ep.group])
+            if remaining[ep.group] == 0:
+                drop_shrunk_group(groups[ep.group], run.options.infra_failures)
+                if plan.group:
+                    firer.ready(groups[ep.group])
 
         for ep in episodes:
             tg.start_soon(one, ep)

@@ -17,6 +17,7 @@ from materl.ops.kl import ESTIMATOR_DEFAULT, KL_ALIASES, KL_ESTIMATORS
 from materl.ops.losses import POLICY_LOSSES
 from materl.ops.preference import PREFERENCE_LOSSES
 from materl.ops.rewards import REWARDS
+from materl.ops.step_credit import GRPO_FAMILY, STEP_CREDIT
 
 
 def _given(**kw: Any) -> dict[str, Any]:
@@ -130,9 +131,15 @@ def filter_groups(rewards, *, metric: str = "reward", name: str | None = None) -
 
 
 def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: str | None = None,
-               kl_coef: float = 0.0, kl: str = "k1", baseline=None, completions=None, name: str | None = None,
-               **hparams) -> Value:
+               kl_coef: float = 0.0, kl: str = "k1", baseline=None, completions=None, step_credit: str | None = None,
+               name: str | None = None, **hparams) -> Value:
     """Advantages from rewards with a registered estimator (default: the recipe's, else grpo).
+
+    ``step_credit`` decides how step rewards (any ``ml.reward(..., step=...)`` term) are credited
+    under a GRPO-family estimator (grpo, dr_grpo): ``"process"`` (the default with step rewards:
+    DeepSeekMath's process supervision, ``materl.ops.step_credit``) or ``"sum"`` (verl: the
+    row's summed reward on every token). Outcome-only rewards are always verl's GRPO. Turn-level
+    and GiGPO credit are their own nodes: ``ml.turn_advantages``, ``ml.gigpo_advantages``.
 
     ``ref_logprobs``/``policy_logprobs`` are read only with ``kl_coef > 0``: the rewards then get a
     per-token KL penalty ``-kl_coef * KL(policy_old || ref)`` first (verl's ``use_kl_in_reward``),
@@ -143,6 +150,13 @@ def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: s
     if estimator is not None:
 
         ADVANTAGES.get(estimator)
+    if step_credit is not None and step_credit not in STEP_CREDIT:
+        raise RecipeError(f"ml.advantages(step_credit={step_credit!r}) in recipe {b.name!r}: valid: "
+                          f"{', '.join(STEP_CREDIT)} (turn-level and GiGPO credit: ml.turn_advantages, "
+                          f"ml.gigpo_advantages)")
+    if step_credit is not None and estimator is not None and estimator not in GRPO_FAMILY:
+        raise RecipeError(f"ml.advantages(step_credit={step_credit!r}) applies to the GRPO family "
+                          f"({', '.join(GRPO_FAMILY)}); estimator {estimator!r} sums step rewards like verl")
     scored = completions if completions is not None else _scored(b, "ml.advantages")
     inputs = [rewards, scored] + ([baseline] if baseline is not None else [])
     if kl_coef:
@@ -154,7 +168,8 @@ def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: s
             f"ml.advantages in recipe {b.name!r}: ref_logprobs/policy_logprobs are read only with kl_coef > 0 "
             f"(a KL penalty in the reward); they are not inputs here. Drop them, or pass kl_coef= for the "
             f"penalty (a KL term in the loss is the policy loss's kl_coef)"), stacklevel=2)
-    params = {"estimator": estimator, **hparams, **({"kl_coef": kl_coef, "kl": kl} if kl_coef else {})}
+    params = {"estimator": estimator, **hparams, **({"kl_coef": kl_coef, "kl": kl} if kl_coef else {}),
+              **_given(step_credit=step_credit)}
     return b.add("advantages", inputs, _given(**params), scope="group", name=name, default_name="advantages")
 
 

@@ -82,7 +82,7 @@ def group_advantages(scores_B: Tensor, mask_B_T: Tensor | None = None, *, estima
     B = scores.shape[0]
     T = mask.shape[1] if mask is not None else 1
     out = torch.empty((B, T) if mask is not None else (B,), dtype=dt)
-    scratch = torch.empty(3 * max(num_groups, 1), dtype=torch.float64)
+    scratch = torch.empty(5 * max(num_groups, 1), dtype=torch.float64)  # count, mean, std, min, max
     suffix = "f64" if dt == torch.float64 else "f32"
     rc = kernel.function(f"group_advantages_{suffix}", "iiiiiiiifii")(
         scores.data_ptr(), index.data_ptr(), B, num_groups, mask.data_ptr() if mask is not None else 0, T,

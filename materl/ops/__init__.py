@@ -2,7 +2,9 @@
 preference losses, chunked log-probs, rewards and reference-model policies.
 
 Nothing here imports from the rest of materl except ``materl.registry`` and ``materl.errors``.
-Importing the package registers the built-in rewards (``reward_builtins``).
+Importing the package registers the built-in rewards (``reward_builtins``) and the ``process``
+advantage estimator (``step_credit``).
 """
 
 from materl.ops import reward_builtins  # noqa: F401,E402  (registers the built-in rewards and aggregators)
+from materl.ops import step_credit  # noqa: F401,E402  (registers the "process" advantage estimator)

@@ -48,8 +48,16 @@ def masked_var(x: Tensor, mask: Tensor, *, unbiased: bool = True) -> Tensor:
 
 
 def masked_whiten(x: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over masked entries (verl: ``masked_whiten``)."""
+    """(x - mean) / sqrt(var + eps) over masked entries (verl: ``masked_whiten``).
+
+    Masked entries that are all equal have no spread to whiten: they give exactly 0 (the mean
+    with ``shift_mean=False``), where verl's formula multiplies a rounding residue by
+    ``1 / sqrt(eps)`` = 1e4."""
     mean = masked_mean(x, mask)
+    x_b, mask_b = torch.broadcast_tensors(x, mask)
+    kept = x_b[mask_b != 0]
+    if kept.numel() and bool(kept.max() == kept.min()):
+        return torch.zeros_like(x) if shift_mean else torch.zeros_like(x) + kept[0]
     whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
     return whitened if shift_mean else whitened + mean
 
@@ -80,15 +88,23 @@ def group_index(
 
 
 def group_stats(scores_B: Tensor, index_B: Tensor, num_groups: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row group mean, unbiased group std (0 for singleton groups) and group size."""
+    """Per-row group mean, unbiased group std (0 for singleton groups) and group size.
+
+    A group whose scores are all equal gets that score as its mean and a std of exactly 0 (the
+    two-pass sum would leave a rounding residue, e.g. mean(0.1, 0.1, 0.1) = 0.10000000000000002,
+    which a division by ``std + eps`` would turn into a spurious advantage)."""
     ones = torch.ones_like(scores_B)
     index_B = index_B.to(scores_B.device)
-    count_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, ones)
-    sum_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, scores_B)
-    mean_G = sum_G / count_G
+    zeros_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device)
+    count_G = zeros_G.clone().index_add_(0, index_B, ones)
+    sum_G = zeros_G.clone().index_add_(0, index_B, scores_B)
+    max_G = zeros_G.clone().scatter_reduce_(0, index_B, scores_B, "amax", include_self=False)
+    min_G = zeros_G.clone().scatter_reduce_(0, index_B, scores_B, "amin", include_self=False)
+    flat_G = max_G == min_G
+    mean_G = torch.where(flat_G, max_G, sum_G / count_G)
     dev_B = scores_B - mean_G[index_B]
-    sq_G = torch.zeros(num_groups, dtype=scores_B.dtype, device=scores_B.device).index_add_(0, index_B, dev_B**2)
-    std_G = torch.where(count_G > 1, (sq_G / (count_G - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq_G))
+    sq_G = zeros_G.clone().index_add_(0, index_B, dev_B**2)
+    std_G = torch.where((count_G > 1) & ~flat_G, (sq_G / (count_G - 1).clamp(min=1)).sqrt(), torch.zeros_like(sq_G))
     return mean_G[index_B], std_G[index_B], count_G[index_B]
 
 

@@ -13,21 +13,26 @@ Every estimator has one calling convention, so the compiler can call any of them
 - Both outputs are (B,T), zero where ``mask`` is 0, and carry no gradient (computed under
   ``torch.no_grad`` as in verl: advantages are constants to the policy loss).
 
-Token-level rewards (materl's generalisation of verl's outcome estimators). verl's grpo, rloo,
-opo, gpg and reinforce++-baseline reduce the row to one score ``S = sum_t r_t`` and broadcast one
-scalar over the response. materl keeps the group statistics on ``S`` (so they are verl's) but
-applies them to the per-token return-to-go ``G_t = sum_{t' >= t} r_{t'}``::
+Token-level rewards. The group-relative estimators (grpo, dr_grpo, rloo, opo, gpg,
+reinforce++-baseline) reduce the row to one score ``S = sum_t r_t`` and broadcast one scalar over
+the row's trained tokens, exactly as verl's outcome estimators do with ``token_level_rewards``.
+(materl once applied the group statistics of ``S`` to each token's return-to-go ``G_t``; with
+step rewards ``G_t`` leaves out earlier steps' rewards while the baseline includes them, so a
+group of identical episodes got ``-r / eps`` on later turns. Step rewards under a group baseline
+are credited by a published method instead: ``process`` here (DeepSeekMath's process
+supervision), turn-level and GiGPO advantages in ``materl.compiler.kinds``.)
 
-    A_t = (G_t - baseline(S, group)) / scale(S, group)
+No signal from nothing: a group whose scores are all equal gets advantage exactly 0 (its mean is
+the common score and its std 0, never a rounding residue divided by ``eps``), and a batch
+whitening over equal values gives 0 (``ops._masked``).
 
-When the reward sits only on the last trained token, ``G_t = S`` on every trained token and this
-is exactly verl. With several step rewards a token is credited only with rewards at or after it.
-
+The return-to-go estimators (reinforce_pp, remax, gae) keep ``G_t``: their baseline is per
+token (whitening, a value) or the greedy rollout's, with no group statistics of ``S``.
 Untrained tokens inside a row (tool output) are skipped, not treated as an episode end: a reward
 on an untrained token is credited to the last trained token before it, and discounting counts
 trained tokens only (verl's GAE skips observation tokens the same way; verl's REINFORCE++
 instead resets its running return at every mask-0 token, which differs from materl only when a
-row has untrained tokens between trained ones). ``S`` itself is the plain row sum, like verl.
+row has untrained tokens between trained ones).
 """
 
 from __future__ import annotations
@@ -56,12 +61,21 @@ def group_statistics(fn):
     fn.statistics = "group"
     return fn
 
+
+def group_baseline(fn):
+    """Mark an estimator whose baseline is a statistic of the group's scores: a group of identical
+    episodes gets advantage 0 from it (tests/ops/test_step_credit.py checks every marked one)."""
+    fn.baseline = "group"
+    return fn
+
+
 GRPO_SCALES = ("group", "batch", "none")
 
 GroupIds = Sequence[Hashable] | Tensor | None
 
 __all__ = [
     "ADVANTAGES",
+    "group_baseline",
     "group_statistics",
     "GRPO_SCALES",
     "discounted_returns",
@@ -144,12 +158,9 @@ def _group_mean_verl(
     return torch.where(single, 0.0, mean), torch.where(single, 1.0, std), count
 
 
-def _relative(tok_B_T: Tensor, mask_B_T: Tensor, baseline_B: Tensor, scale_B: Tensor | float = 1.0) -> Tensor:
-    """``A_t = (G_t - baseline) / scale`` on trained tokens, 0 elsewhere."""
-    g = _returns(tok_B_T, mask_B_T, 1.0)
-    if isinstance(scale_B, Tensor):
-        scale_B = scale_B.unsqueeze(-1)
-    return (g - baseline_B.unsqueeze(-1)) / scale_B * mask_B_T
+def _relative(scores_B: Tensor, mask_B_T: Tensor, baseline_B: Tensor, scale_B: Tensor | float = 1.0) -> Tensor:
+    """``A = (S - baseline) / scale`` broadcast over trained tokens, 0 elsewhere (verl)."""
+    return ((scores_B - baseline_B) / scale_B).unsqueeze(-1) * mask_B_T
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,6 +201,7 @@ def _returns(tok_B_T: Tensor, mask_B_T: Tensor, gamma: float) -> Tensor:
 
 
 @ADVANTAGES.register("grpo")
+@group_baseline
 @group_statistics
 @torch.no_grad()
 def grpo(
@@ -203,8 +215,10 @@ def grpo(
 ) -> tuple[Tensor, Tensor]:
     """GRPO group-relative advantage (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300).
 
-    ``A_t = (G_t - mean_g(S)) / (std_g(S) + eps)`` with ``S`` the row's summed reward, ``mean_g``
-    and the unbiased ``std_g`` over the row's group; a singleton group gets mean 0, std 1.
+    ``A = (S - mean_g(S)) / (std_g(S) + eps)`` on every trained token, with ``S`` the row's summed
+    reward, ``mean_g`` and the unbiased ``std_g`` over the row's group; a singleton group gets
+    mean 0, std 1; a group of equal scores gets 0. With step rewards, ``process`` credits each
+    step (the compiled ``ml.advantages`` picks it by default, ``step_credit=``).
     ``scale``: ``"group"`` (above), ``"batch"`` (std of all B scores, mean still per group),
     ``"none"`` (no division; = ``dr_grpo``).
 
@@ -221,7 +235,7 @@ def grpo(
         raise ConfigError(f"grpo: unknown scale {scale!r}; valid: {', '.join(GRPO_SCALES)}")
     if eps < 0:
         raise ConfigError(f"grpo: eps must be >= 0, got {eps!r}")
-    tok, mask_f, scores = _prepare("grpo", rewards, mask)
+    _, mask_f, scores = _prepare("grpo", rewards, mask)
     mean, std, _ = _group_mean_verl(scores, group_ids, group_size, "grpo")
     if scale == "group":
         denom = std + eps
@@ -230,11 +244,12 @@ def grpo(
         denom = (batch_std + eps).expand_as(scores)
     else:
         denom = 1.0
-    adv = _relative(tok, mask_f, mean, denom)
+    adv = _relative(scores, mask_f, mean, denom)
     return adv, adv
 
 
 @ADVANTAGES.register("dr_grpo")
+@group_baseline
 @group_statistics
 @torch.no_grad()
 def dr_grpo(
@@ -243,7 +258,7 @@ def dr_grpo(
     """Dr. GRPO advantage: mean-centred, no std division (Liu et al. 2025, "Understanding
     R1-Zero-Like Training", arXiv:2503.20783).
 
-    ``A_t = G_t - mean_g(S)`` (singleton group: mean 0). Shapes as ``grpo``; returns = advantages.
+    ``A = S - mean_g(S)`` (singleton group: mean 0). Shapes as ``grpo``; returns = advantages.
     verl 0.9: ``compute_grpo_outcome_advantage(norm_adv_by_std_in_grpo=False)``; TRL 1.16:
     ``scale_rewards="none"``. (Dr. GRPO's other half, the constant loss normaliser, is a loss
     aggregation, not part of the advantage.)
@@ -252,6 +267,7 @@ def dr_grpo(
 
 
 @ADVANTAGES.register("rloo")
+@group_baseline
 @group_statistics
 @torch.no_grad()
 def rloo(
@@ -259,23 +275,24 @@ def rloo(
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out (Ahmadian et al. 2024, arXiv:2402.14740; Kool et al. 2019).
 
-    ``A_t = G_t - (sum_g S - S_i) / (n - 1)`` for a group of n > 1 rows; a singleton keeps
-    ``A_t = G_t`` (baseline 0). For outcome rewards this is verl's ``n/(n-1) * (S_i - mean_g S)``.
+    ``A = S_i - (sum_g S - S_i) / (n - 1)`` for a group of n > 1 rows; a singleton keeps
+    ``A = S_i`` (baseline 0). For outcome rewards this is verl's ``n/(n-1) * (S_i - mean_g S)``.
 
     Shapes as ``grpo``; returns = advantages. verl 0.9: ``compute_rloo_outcome_advantage``
-    (verl's ``rloo_vectorized`` instead gives singletons 0). With token-level rewards the
-    baseline is the leave-one-out mean of the other rows' S, so it stays independent of the row.
+    (verl's ``rloo_vectorized`` instead gives singletons 0).
     """
-    tok, mask_f, scores = _prepare("rloo", rewards, mask)
+    _, mask_f, scores = _prepare("rloo", rewards, mask)
     index, num_groups = _groups("rloo", scores.shape[0], group_ids, group_size)
     mean, _, count = _group_stats(scores, index, num_groups)
-    # leave-one-out mean of the others; a singleton's is (S - S) / 1 = 0, verl's convention
-    baseline = (mean * count - scores) / (count - 1).clamp(min=1)
-    adv = _relative(tok, mask_f, baseline)
+    # leave-one-out mean of the others, (n mean - S) / (n - 1), written so that a group of
+    # equal scores gives exactly S; a singleton's baseline is 0, verl's convention
+    baseline = torch.where(count > 1, mean + (mean - scores) / (count - 1).clamp(min=1), torch.zeros_like(mean))
+    adv = _relative(scores, mask_f, baseline)
     return adv, adv
 
 
 @ADVANTAGES.register("opo")
+@group_baseline
 @group_statistics
 @torch.no_grad()
 def opo(
@@ -283,23 +300,26 @@ def opo(
 ) -> tuple[Tensor, Tensor]:
     """On-Policy RL with Optimal reward baseline (Hao et al. 2025, arXiv:2505.23585).
 
-    ``A_t = G_t - b_g``, ``b_g = sum_{j in g} L_j S_j / sum_{j in g} L_j`` with ``L_j`` the number
+    ``A = S - b_g``, ``b_g = sum_{j in g} L_j S_j / sum_{j in g} L_j`` with ``L_j`` the number
     of trained tokens of row j (the length-weighted baseline); a singleton group has b = 0.
 
     Shapes as ``grpo``; returns = advantages. verl 0.9: ``compute_opo_outcome_advantage``.
     """
-    tok, mask_f, scores = _prepare("opo", rewards, mask)
+    _, mask_f, scores = _prepare("opo", rewards, mask)
     index, num_groups = _groups("opo", scores.shape[0], group_ids, group_size)
     lengths = mask_f.sum(-1)
     mean_ls, _, count = _group_stats(lengths * scores, index, num_groups)
     mean_l, _, _ = _group_stats(lengths, index, num_groups)
+    _, spread, _ = _group_stats(scores, index, num_groups)
     weighted = torch.where(mean_l > 0, mean_ls / mean_l.clamp(min=1e-30), torch.zeros_like(mean_l))
+    weighted = torch.where(spread == 0, scores, weighted)  # equal scores: the baseline is the score itself
     baseline = torch.where(count > 1, weighted, torch.zeros_like(weighted))
-    adv = _relative(tok, mask_f, baseline)
+    adv = _relative(scores, mask_f, baseline)
     return adv, adv
 
 
 @ADVANTAGES.register("gpg")
+@group_baseline
 @torch.no_grad()
 def gpg(
     rewards: Tensor,
@@ -311,7 +331,7 @@ def gpg(
 ) -> tuple[Tensor, Tensor]:
     """Group Policy Gradient (Chu et al. 2025, arXiv:2504.02546).
 
-    ``A_t = alpha * (G_t - mean_g(S)) / f_norm`` with ``alpha = B / max(1, #{i : S_i != 0})``
+    ``A = alpha * (S - mean_g(S)) / f_norm`` with ``alpha = B / max(1, #{i : S_i != 0})``
     (the batch size over the number of rows with a non-zero score, which up-weights batches
     where most rows score 0); singleton group: mean 0.
 
@@ -320,30 +340,31 @@ def gpg(
     """
     if f_norm == 0:
         raise ConfigError(f"gpg: f_norm must be non-zero, got {f_norm!r}")
-    tok, mask_f, scores = _prepare("gpg", rewards, mask)
+    _, mask_f, scores = _prepare("gpg", rewards, mask)
     mean, _, _ = _group_mean_verl(scores, group_ids, group_size, "gpg")
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
-    adv = _relative(tok, mask_f, mean, f_norm / alpha)
+    adv = _relative(scores, mask_f, mean, f_norm / alpha)
     return adv, adv
 
 
 @ADVANTAGES.register("reinforce_pp_baseline")
+@group_baseline
 @torch.no_grad()
 def reinforce_pp_baseline(
     rewards: Tensor, mask: Tensor, *, group_ids: GroupIds = None, group_size: int | None = None
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group baseline (Hu 2025, arXiv:2501.03262).
 
-    ``A_t = whiten_batch((G_t - mean_g(S)) * mask)`` where ``whiten_batch`` is the masked
+    ``A_t = whiten_batch((S - mean_g(S)) * mask)`` where ``whiten_batch`` is the masked
     whitening over every trained token of the batch (mean 0, unbiased var 1, eps 1e-8 inside the
     rsqrt); singleton group: mean 0.
 
     Shapes as ``grpo``; returns = advantages. verl 0.9:
     ``compute_reinforce_plus_plus_baseline_outcome_advantage``.
     """
-    tok, mask_f, scores = _prepare("reinforce_pp_baseline", rewards, mask)
+    _, mask_f, scores = _prepare("reinforce_pp_baseline", rewards, mask)
     mean, _, _ = _group_mean_verl(scores, group_ids, group_size, "reinforce_pp_baseline")
-    centred = _relative(tok, mask_f, mean)
+    centred = _relative(scores, mask_f, mean)
     adv = masked_whiten(centred, mask_f) * mask_f
     return adv, adv
 

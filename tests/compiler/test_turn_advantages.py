@@ -80,3 +80,18 @@ def test_a_recipe_trains_with_turn_advantages():
         for e, adv in zip(group, again["advantages"]):
             assert torch.equal(e.resolve("adv"), adv) and len(adv) == len(e.values["rollout"].completion_ids)
     step.close()
+
+
+def test_identical_episodes_give_zero_even_without_eps():
+    # two identical two-turn episodes, step reward 0.2 on turn 1 and outcome 1 on turn 2: every
+    # turn's returns are equal (1.2, then 1), so std 0 and the advantage is 0, not 0 / 0
+    rollouts = [Rollout([9], [gen(2), Step("tool", [7]), gen(2)]) for _ in range(2)]
+    rewards = [torch.tensor([0, 0.2, 0, 0, 1.0])] * 2
+    eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(2)]
+    node = Node("adv", "turn_advantages", ("rewards", "rollout"), {"gamma": 1.0, "eps": 0.0}, "group")
+    out = turn_advantages_batch(None, node, eps, [rewards, rollouts])
+    assert all((a == 0).all() for a in out["advantages"])
+
+
+def test_turn_advantages_is_exported():
+    assert ml.turn_advantages is turn_advantages

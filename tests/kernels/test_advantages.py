@@ -44,6 +44,16 @@ def test_hand_computed(impl):
     assert group_advantages(single, estimator="rloo", group_size=1, impl=impl).tolist() == [2.0]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_group_of_equal_scores_gets_exactly_zero(impl, estimator):
+    # mean(0.1, 0.1, 0.1) summed in two passes is 0.10000000000000002; divided by std + eps that
+    # residue used to be ~1e-11 (grpo) and the leave-one-out (3 * mean - 0.1) / 2 was not 0.1
+    scores = torch.tensor([0.1, 0.1, 0.1, 0.7, 0.7], dtype=torch.float64)
+    adv = group_advantages(scores, estimator=estimator, group_ids="aaabb", impl=impl)
+    assert adv.tolist() == [0.0] * 5
+
+
 @pytest.mark.mojo
 def test_float32_scores_keep_their_dtype():
     scores = torch.randn(12)

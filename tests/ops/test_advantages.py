@@ -15,7 +15,7 @@ from materl.errors import ConfigError, RewardError, ShapeError, UnknownNameError
 from materl.ops.advantages import ADVANTAGES, discounted_returns, dr_grpo, gae, grpo, reinforce_pp, rloo
 
 F64 = torch.float64
-ALL = ["dr_grpo", "gae", "gpg", "grpo", "opo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
+ALL = ["dr_grpo", "gae", "gpg", "grpo", "opo", "process", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
 
 
 def close(a, b, tol=1e-6):
@@ -175,15 +175,26 @@ def test_grpo_batch_scale_and_trl_eps():
     close(adv[:, 0], torch.tensor([-1.0, 0.0, 1.0, 5.0], dtype=F64) / (std + 1e-4), 1e-12)
 
 
-def test_grpo_token_level_rewards_use_return_to_go():
-    # row 0: step rewards 1 (token 1) and 2 (token 3): S = 3, G = [3, 3, 2, 2]
-    # row 1: reward 1 on token 2 (its last trained token): S = 1, G = [1, 1, 1, 0 (untrained)]
-    # group mean 2, unbiased std sqrt(((3-2)^2 + (1-2)^2) / 1) = sqrt(2)
+def test_grpo_token_level_rewards_are_summed_and_broadcast_like_verl():
+    # row 0: step rewards 1 (token 1) and 2 (token 3): S = 3; row 1: reward 1 on token 2: S = 1
+    # group mean 2, unbiased std sqrt(((3-2)^2 + (1-2)^2) / 1) = sqrt(2): every trained token of
+    # row 0 gets 1 / sqrt(2), row 1's -1 / sqrt(2) (verl sums token_level_rewards the same way)
     rewards = torch.tensor([[0.0, 1.0, 0.0, 2.0], [0.0, 0.0, 1.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]], dtype=F64)
     adv, _ = grpo(rewards, mask, group_size=2)
-    expected = torch.tensor([[1.0, 1.0, 0.0, 0.0], [-1.0, -1.0, -1.0, 0.0]], dtype=F64) / (math.sqrt(2) + 1e-6)
+    expected = torch.tensor([[1.0, 1.0, 1.0, 1.0], [-1.0, -1.0, -1.0, 0.0]], dtype=F64) / (math.sqrt(2) + 1e-6)
     close(adv, expected, 1e-12)
+
+
+def test_identical_episodes_with_a_step_reward_give_zero_not_r_over_eps():
+    # the issue's blow-up: two identical two-turn episodes, step reward 0.3 on turn 1 and outcome
+    # 1 on turn 2 (token 4). S = 1.3 for both: std 0, so every group-relative estimator gives 0
+    # (the old return-to-go gave turn 2 (1 - 1.3) / 1e-6 = -3e5)
+    rewards = torch.tensor([[0.0, 0.3, 0.0, 0.0, 1.0]] * 2, dtype=F64)
+    mask = torch.tensor([[1, 1, 0, 1, 1]] * 2, dtype=F64)
+    for name in ("grpo", "dr_grpo", "rloo", "opo", "gpg", "reinforce_pp_baseline"):
+        adv, ret = ADVANTAGES.get(name)(rewards, mask, group_size=2)
+        assert (adv == 0).all() and (ret == 0).all(), name
 
 
 def test_rloo_and_dr_grpo_hand_numbers():
@@ -257,6 +268,7 @@ def test_reinforce_pp_skips_tool_tokens_where_verl_resets():
 
 VERL = {
     "grpo": lambda tlr, m, idx, _: (v_grpo(tlr, m, idx),) * 2,
+    "process": lambda tlr, m, idx, _: (v_grpo(tlr, m, idx),) * 2,  # one step per row: GRPO
     "dr_grpo": lambda tlr, m, idx, _: (v_grpo(tlr, m, idx, norm=False),) * 2,
     "rloo": lambda tlr, m, idx, _: (v_rloo(tlr, m, idx),) * 2,
     "opo": lambda tlr, m, idx, _: (v_opo(tlr, m, idx),) * 2,

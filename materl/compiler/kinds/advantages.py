@@ -2,6 +2,8 @@
 ``%advantages`` and ``%advantages.returns`` as outputs, optionally with a KL penalty in the
 reward (verl's ``use_kl_in_reward``). GRPO and RLOO over per-completion rewards also have a Mojo
 kernel (``materl.kernels.group_advantages``); token-level rewards always take the torch op.
+Step rewards under grpo / dr_grpo are credited by ``process`` (DeepSeekMath's process
+supervision, ``materl.ops.step_credit``) unless the node says ``step_credit="sum"``.
 
 Inputs: rewards, the scored rollout (its loss mask), then the estimator's extra tensors
 (a baseline or values), then with ``kl_coef > 0`` the reference and the policy log-probs.
@@ -21,12 +23,14 @@ from materl.kernels.loader import load_or_reason
 from materl.ops._masked import place_on_last_trained
 from materl.ops.advantages import ADVANTAGES
 from materl.ops.kl import kl_penalty
+from materl.ops.step_credit import GRPO_FAMILY, PROCESS_SCALES
 
 
 def _tensors(node: Node, inputs: list[list]) -> tuple[Tensor, Tensor, list[Tensor], dict]:
     """(rewards, mask, extra tensors, estimator hyperparameters), the KL penalty applied."""
     p = dict(node.params)
     p.pop("estimator")
+    p.pop("step_credit", None)
     kl_coef, kl = p.pop("kl_coef", 0.0), p.pop("kl", "k1")
     mask = pad_rows([as_rollout(x).loss_mask for x in inputs[1]])
     width = mask.shape[1]
@@ -41,9 +45,29 @@ def _tensors(node: Node, inputs: list[list]) -> tuple[Tensor, Tensor, list[Tenso
     return rewards, mask, extra, p
 
 
+def _estimator(node: Node, inputs: list[list], hp: dict) -> tuple[str, dict]:
+    """The estimator to run: ``process`` for a GRPO-family node whose rewards have step rewards
+    (a per-token rewards value, before any KL penalty) unless ``step_credit="sum"``."""
+    est = node.params["estimator"]
+    credit = node.params.get("step_credit")
+    if credit is not None and est not in GRPO_FAMILY:
+        raise CompileError(f"node {node.name!r}: step_credit={credit!r} applies to the GRPO family "
+                           f"({', '.join(GRPO_FAMILY)}); estimator {est!r} sums step rewards like verl")
+    has_steps = to_tensor(inputs[0]).dim() == 2
+    if est not in GRPO_FAMILY or not has_steps or credit == "sum":
+        return est, hp
+    scale = hp.get("scale", GRPO_FAMILY[est])
+    if scale not in PROCESS_SCALES:
+        raise CompileError(f"node {node.name!r}: step rewards are credited by 'process', which normalises per "
+                           f"group; scale={scale!r} has no process form (valid: {', '.join(PROCESS_SCALES)}); "
+                           f"or pass step_credit='sum' for verl's summed reward")
+    return "process", {"eps": hp.get("eps", 1e-6), "scale": scale}
+
+
 def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     rewards, mask, extra, hp = _tensors(node, inputs)
-    adv, returns = ADVANTAGES.get(node.params["estimator"])(
+    est, hp = _estimator(node, inputs, hp)
+    adv, returns = ADVANTAGES.get(est)(
         rewards.double(), mask.double(), *[e.double() for e in extra], group_ids=[ep.group_id for ep in eps], **hp)
     return {"advantages": adv.float(), "returns": returns.float()}
 
@@ -63,7 +87,7 @@ def _mojo_when(node: Node, options) -> str | None:
     est = node.params["estimator"]
     if est not in ESTIMATORS or node.params.get("kl_coef") or len(node.inputs) > 2:
         return NOT_FOR
-    if set(node.params) - {"estimator", "scale", "eps"} or (est == "rloo" and node.params.get("scale", "group") != "group"):
+    if set(node.params) - {"estimator", "scale", "eps", "step_credit"} or (est == "rloo" and node.params.get("scale", "group") != "group"):
         return NOT_FOR
     kernel, why = load_or_reason("advantages")
     return None if kernel is not None else why.splitlines()[0]

@@ -13,7 +13,8 @@ R_j = sum_{k >= j} gamma^(k-j) r_k, and every trained token of turn j gets
     A_j = (R_j - mean_g(R_j)) / (std_g(R_j) + eps)
 
 with the mean and unbiased std over the group's episodes that have a turn j (a turn that only
-one episode reached gets mean 0, std 1, GRPO's singleton convention). Whole-episode GRPO
+one episode reached gets mean 0, std 1, GRPO's singleton convention; a turn whose returns are
+all equal gets exactly 0, never a rounding residue divided by eps). Whole-episode GRPO
 compares every token against the group's final scores; this compares turn 1 with turn 1 and
 turn 2 with turn 2, so a good first call is not blamed for a bad second answer (the credit
 assignment of turn-level GRPO variants, e.g. MT-GRPO, arXiv:2505.11821). ``%adv.returns`` are
@@ -68,36 +69,47 @@ def turn_returns(tokens: Tensor, spans: list[tuple[int, int, int]], gamma: float
     return out
 
 
-def turn_advantages_batch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
-    gamma, epsilon = node.params["gamma"], node.params["eps"]
+def turn_rewards(inputs: list[list]) -> tuple[list[Rollout], list[Tensor], list[Tensor]]:
+    """(rollouts, float masks, per-token rewards) of a turn-level node's inputs (rewards, rollout):
+    a per-completion reward lands on the row's last trained token."""
     rollouts = [as_rollout(x) for x in inputs[1]]
     masks = [torch.tensor(r.loss_mask, dtype=torch.float32) for r in rollouts]
     tokens = []
     for value, mask in zip(inputs[0], masks):
         row = to_tensor([value])[0] if not isinstance(value, Tensor) else value.float()
         tokens.append(place_on_last_trained(row[None], mask[None])[0] if row.dim() == 0 else row)
+    return rollouts, masks, tokens
+
+
+def turn_advantages_batch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+    gamma, epsilon = node.params["gamma"], node.params["eps"]
+    rollouts, masks, tokens = turn_rewards(inputs)
     spans = [turn_spans(r) for r in rollouts]
     returns = [turn_returns(t, s, gamma) for t, s in zip(tokens, spans)]
     by_turn: dict[tuple, list[float]] = defaultdict(list)
     for ep, rets in zip(eps, returns):
         for j, value in enumerate(rets):
             by_turn[(ep.group_id, j)].append(value)
-    stats = {key: _mean_std(values) for key, values in by_turn.items()}
+    stats = {key: mean_std(values) for key, values in by_turn.items()}
     advantages, out_returns = [], []
     for ep, r, mask, span, rets in zip(eps, rollouts, masks, spans, returns):
         adv, ret = torch.zeros(len(r.completion_ids)), torch.zeros(len(r.completion_ids))
         for j, (a, b, _) in enumerate(span):
             mean, std = stats[(ep.group_id, j)]
-            adv[a:b + 1] = (rets[j] - mean) / (std + epsilon)
+            adv[a:b + 1] = (rets[j] - mean) / (std + epsilon) if rets[j] != mean else 0.0
             ret[a:b + 1] = rets[j]
         advantages.append(adv * mask)
         out_returns.append(ret * mask)
     return {"advantages": advantages, "returns": out_returns}
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """GRPO's group statistics of ``values``: (mean, unbiased std); one value gives (0, 1) (verl's
+    singleton convention) and equal values (the value, 0), so they get advantage exactly 0."""
     if len(values) < 2:
         return 0.0, 1.0
+    if min(values) == max(values):
+        return values[0], 0.0
     t = torch.tensor(values, dtype=torch.float64)
     return float(t.mean()), float(t.std())
 
