@@ -40,15 +40,39 @@ from materl.engines.models import NAMED_MODELS, lora_options
 from materl.errors import ConfigError, MaterlError
 from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
-from materl.runtime.logging import require_backend
+from materl.runtime.logging import require_backend, wandb_login_problem
 from materl.runtime.resolve import is_dotted
 from materl.validation import describe, did_you_mean
 
 DATA_GENERATORS = ("arithmetic",)
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A YAML mapping names a key twice (PyYAML would keep the last value silently)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string."""
+    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string, and
+    refusing a key written twice in one mapping (``DuplicateKey``, with both lines)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):  # its own keys; a merged (<<) key may be overridden
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the base class reports it
+                    break
+        return super().construct_mapping(node, deep=deep)
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -115,12 +139,17 @@ class RewardSpec(_Section):
 class DataSection(_Section):
     """Where prompts come from: ``arithmetic`` (a seeded generator), a JSONL file, or a
     ``datasets`` folder saved with ``save_to_disk``. ``train_size``/``test_size`` are the split
-    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator."""
+    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator.
+    A prompt longer than ``max_prompt_tokens`` (and than the model's context less
+    ``compile.max_new_tokens``) is an error naming the row, or with ``truncation: left`` / ``right``
+    cut to fit (verl: ``data.max_prompt_length``, ``data.truncation``)."""
     source: str = "arithmetic"
     train_size: int | None = Field(default=256, ge=1)
     test_size: int = Field(default=32, ge=0)
     seed: int = 0
     params: dict[str, Any] = Field(default_factory=dict)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context less max_new_tokens
+    truncation: Literal["error", "left", "right"] = "error"  # an over-long prompt: an error, or cut (left keeps the end)
 
 
 class TrainSection(_Section):
@@ -162,6 +191,9 @@ class LoggingSection(_Section):
                 require_backend(info.field_name)
             except ConfigError as e:
                 raise ValueError(str(e).replace(f"logging.{info.field_name}=true but ", "")) from None
+            problem = wandb_login_problem() if info.field_name == "wandb" else None
+            if problem:
+                raise ValueError(problem.replace("logging.wandb=true but ", ""))
         return v
 
 
@@ -288,11 +320,20 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte {raw[e.start]:#04x} on line {line} "
+                          f"({path}:{line}); save it as UTF-8") from None
+    try:
         data = _yaml(text) or {}
+    except DuplicateKey as e:
+        raise ConfigError(f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first}); a key may appear "
+                          f"once per section (YAML would keep only the last value)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -303,6 +344,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     cfg = validate_config(data, where=str(path))
     cfg._base_dir = path.resolve().parent
     return cfg
+
+
+def checkpoint_config(checkpoint: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config a checkpoint was trained with (its ``config.yaml``; ``checkpoint`` a checkpoint
+    folder or a run dir, its latest), with ``overrides`` applied: what ``materl eval --checkpoint
+    RUN`` uses when no config file is given. ConfigError when the checkpoint has none (``ml.train``
+    called without ``config=``)."""
+    from materl.runtime.checkpoint import load_checkpoint  # checkpoint.py imports this module
+
+    ckpt = load_checkpoint(checkpoint)
+    if not isinstance(ckpt.config, dict):
+        raise ConfigError(f"checkpoint {str(ckpt.path)!r} has no config.yaml (saved by ml.train without config=); "
+                          f"give the config file: materl eval CONFIG.yaml --checkpoint {checkpoint}")
+    data = dict(ckpt.config)
+    for item in overrides:
+        apply_override(data, item)
+    return validate_config(data, where=str(ckpt.path / "config.yaml"))
 
 
 def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
@@ -331,6 +389,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.steps=3)")
     try:
         value = _yaml(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        raise ConfigError(f"override {item!r}: duplicate key {e.key!r} in its value") from None
     except yaml.YAMLError:
         value = raw
     node: Any = data

@@ -17,7 +17,8 @@ from materl.compiler.options import CompileOptions
 from materl.ops.rewards import Reward
 from materl.runtime.build import build_from_config
 from materl.runtime.checkpoint import load_checkpoint, restore
-from materl.runtime.data import load_rows, split_columns
+from materl.runtime.data import split_columns
+from materl.runtime.prompts import prepare_rows
 
 ACCURACY_COMPONENTS = ("answer", "exact_match", "math_answer")
 
@@ -86,7 +87,7 @@ def evaluate(agent, dataset: Any, rewards: list, *, tools=None, max_turns: int =
                              system_prompt=system_prompt)
     compiled = Compiled(evaluation, {"policy": agent}, options, rollout_only=True)
     try:
-        return evaluate_compiled(compiled, load_rows(dataset))
+        return evaluate_compiled(compiled, prepare_rows(compiled, dataset))
     finally:
         compiled.close()
 
@@ -101,12 +102,15 @@ def _term(r) -> tuple[Any, float, dict]:
 
 
 def evaluate_from_config(cfg, checkpoint: str | None = None) -> dict[str, float]:
-    """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy."""
+    """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy, its
+    rows checked as ``ml.train`` checks them (``data.max_prompt_tokens``, ``data.truncation``)."""
     compiled, _, test_rows = build_from_config(cfg)
     try:
         if checkpoint:
-
             restore(load_checkpoint(checkpoint), agents=compiled.agents, rng=False)
+        if test_rows:
+            test_rows = prepare_rows(compiled, test_rows, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                     truncation=cfg.data.truncation)
         return evaluate_compiled(compiled, test_rows)
     finally:
         compiled.close()
