@@ -98,13 +98,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from materl.runtime.config import checkpoint_config, load_config
+    from materl.runtime.config import load_config
 
-    if args.config is None and args.checkpoint is None:
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+    elif args.checkpoint is not None:
+        from materl.runtime.evaluate import checkpoint_config
+
+        cfg = checkpoint_config(args.checkpoint, args.overrides)
+    else:
         raise ConfigError("eval: give a config (materl eval CONFIG.yaml) or a checkpoint, whose saved config is "
                           "used (materl eval --checkpoint RUN_DIR)")
-    cfg = (load_config(args.config, args.overrides) if args.config is not None
-           else checkpoint_config(args.checkpoint, args.overrides))
     from materl.runtime.evaluate import evaluate_from_config
 
     _print_metrics(evaluate_from_config(cfg, args.checkpoint))

@@ -346,23 +346,6 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
-def checkpoint_config(checkpoint: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """The config a checkpoint was trained with (its ``config.yaml``; ``checkpoint`` a checkpoint
-    folder or a run dir, its latest), with ``overrides`` applied: what ``materl eval --checkpoint
-    RUN`` uses when no config file is given. ConfigError when the checkpoint has none (``ml.train``
-    called without ``config=``)."""
-    from materl.runtime.checkpoint import load_checkpoint  # checkpoint.py imports this module
-
-    ckpt = load_checkpoint(checkpoint)
-    if not isinstance(ckpt.config, dict):
-        raise ConfigError(f"checkpoint {str(ckpt.path)!r} has no config.yaml (saved by ml.train without config=); "
-                          f"give the config file: materl eval CONFIG.yaml --checkpoint {checkpoint}")
-    data = dict(ckpt.config)
-    for item in overrides:
-        apply_override(data, item)
-    return validate_config(data, where=str(ckpt.path / "config.yaml"))
-
-
 def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
     """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure."""
     try:

@@ -15,8 +15,10 @@ import materl as ml
 from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
 from materl.ops.rewards import Reward
+from materl.errors import ConfigError
 from materl.runtime.build import build_from_config
 from materl.runtime.checkpoint import load_checkpoint, restore
+from materl.runtime.config import TrainConfig, apply_override, validate_config
 from materl.runtime.data import split_columns
 from materl.runtime.prompts import prepare_rows
 
@@ -99,6 +101,21 @@ def _term(r) -> tuple[Any, float, dict]:
     if isinstance(r, tuple):
         return r[0], float(r[1]), dict(r[2]) if len(r) > 2 else {}
     return r, 1.0, {}
+
+
+def checkpoint_config(checkpoint: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config a checkpoint was trained with (its ``config.yaml``; ``checkpoint`` a checkpoint
+    folder or a run dir, its latest), with ``overrides`` applied: what ``materl eval --checkpoint
+    RUN`` uses when no config file is given. ConfigError when the checkpoint has none (``ml.train``
+    called without ``config=``)."""
+    ckpt = load_checkpoint(checkpoint)
+    if not isinstance(ckpt.config, dict):
+        raise ConfigError(f"checkpoint {str(ckpt.path)!r} has no config.yaml (saved by ml.train without config=); "
+                          f"give the config file: materl eval CONFIG.yaml --checkpoint {checkpoint}")
+    data = dict(ckpt.config)
+    for item in overrides:
+        apply_override(data, item)
+    return validate_config(data, where=str(ckpt.path / "config.yaml"))
 
 
 def evaluate_from_config(cfg, checkpoint: str | None = None) -> dict[str, float]:
