@@ -191,3 +191,27 @@ def test_sampler_serves_the_checked_rows(tmp_path):
     rows = load_rows([{"prompt": str(i)} for i in range(3)])
     batch = Sampler(rows, batch_size=2, shuffle=False).next_batch()
     assert [r["prompt"] for r in batch] == ["0", "1"] and [r.origin for r in batch] == ["row 0", "row 1"]
+
+
+def test_tool_schemas_the_template_adds_count_toward_the_limit():
+    from materl.recipes.grpo_tools import grpo_tools_recipe
+
+    # 300 tools, each with a long description: like an MCP server with hundreds of tools, the schema
+    # block alone is far over the tiny model's 4,096 positions, whatever the question
+    methods = {f"tool_{i:03d}": (lambda self, x: x) for i in range(300)}
+    for i, fn in enumerate(methods.values()):
+        fn.__doc__, fn.__annotations__ = f"Tool {i}: " + "does a thing with x. " * 8, {"x": str, "return": str}
+    Many = type("Many", (), methods)
+    toolbox = ml.mcp_tools(ml.PythonTools(Many))
+    step = ml.compile(grpo_tools_recipe(toolbox), policy=ml.Agent("tiny-random", trainable=True), group_size=2,
+                      max_new_tokens=8)
+    try:
+        with pytest.raises(DataError) as e:
+            prepare_rows(step, [{"prompt": "What is 2 + 2?", "answer": "4"}])
+        assert "with the chat template and 300 tool schemas, as node 'turn_1' renders it" in str(e.value)
+        (site,) = prompt_sites(step)  # the toolbox was started to read its schemas
+        assert len(site.tools) == 300 and prompt_length(site, "What is 2 + 2?") > 4088
+        with pytest.raises(DataError, match="row 0: the prompt cannot be cut to 4088 tokens"):
+            prepare_rows(step, [{"prompt": "What is 2 + 2?", "answer": "4"}], truncation="left")
+    finally:
+        step.close()
