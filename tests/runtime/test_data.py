@@ -215,3 +215,14 @@ def test_tool_schemas_the_template_adds_count_toward_the_limit():
             prepare_rows(step, [{"prompt": "What is 2 + 2?", "answer": "4"}], truncation="left")
     finally:
         step.close()
+
+
+def test_a_datasets_folder_names_its_rows_by_index(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from materl.runtime.build import _data_from_config
+    from materl.runtime.config import validate_config
+
+    folder = tmp_path / "hf"
+    datasets.Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": "", "answer": "2"}]).save_to_disk(folder)
+    with pytest.raises(DataError, match=rf"^{folder} row 1: 'prompt' is empty"):
+        _data_from_config(validate_config({"data": {"source": str(folder), "test_size": 0}}))
