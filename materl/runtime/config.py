@@ -40,7 +40,7 @@ from materl.engines.models import NAMED_MODELS, lora_options
 from materl.errors import ConfigError, MaterlError
 from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
-from materl.runtime.logging import require_backend, wandb_login_problem
+from materl.runtime.logging import require_backend
 from materl.runtime.resolve import is_dotted
 from materl.validation import describe, did_you_mean
 
@@ -191,9 +191,6 @@ class LoggingSection(_Section):
                 require_backend(info.field_name)
             except ConfigError as e:
                 raise ValueError(str(e).replace(f"logging.{info.field_name}=true but ", "")) from None
-            problem = wandb_login_problem() if info.field_name == "wandb" else None
-            if problem:
-                raise ValueError(problem.replace("logging.wandb=true but ", ""))
         return v
 
 

@@ -30,7 +30,7 @@ from materl.runtime.config import config_to_dict, validate_config
 from materl.runtime.data import Sampler, load_rows
 from materl.runtime.prompts import prepare_rows
 from materl.runtime.evaluate import evaluate_async
-from materl.runtime.logging import RunLogger, format_episode
+from materl.runtime.logging import RunLogger, format_episode, wandb_login_problem
 
 
 def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
@@ -250,7 +250,10 @@ def _reward_terms(episode) -> dict[str, float]:
 def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
     """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations.
     ``rows``: in-memory data (a list of rows or a ``datasets.Dataset``) instead of ``cfg.data.source``;
-    the first ``cfg.data.test_size`` rows are held out."""
+    the first ``cfg.data.test_size`` rows are held out. ``logging.wandb`` without a W&B login
+    here is a ConfigError before anything loads (evaluation, which logs nowhere, does not care)."""
+    if cfg.logging.wandb and (problem := wandb_login_problem()):
+        raise ConfigError(problem)
     compiled, train_rows, test_rows = build_from_config(cfg, load_data=rows is None)
     if rows is not None:
         rows = load_rows(rows)

@@ -257,21 +257,38 @@ def test_the_data_section_sets_prompt_length_and_truncation(tmp_path):
         validate_config({"data": {"max_prompt_tokens": 0}})
 
 
-def test_wandb_without_a_login_is_a_config_error(tmp_path, monkeypatch):
+def test_wandb_without_a_login_stops_training_before_anything_loads(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
+    import materl.engines.models as models
+    from materl.runtime.train import train_from_config
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no login
+    cfg = validate_config({"logging": {"wandb": True}})  # a valid config: `materl eval` of it logs nowhere
     with pytest.raises(ConfigError) as e:
-        validate_config({"logging": {"wandb": True}})
-    assert "logging.wandb: W&B has no login on this machine (no WANDB_API_KEY, no api.wandb.ai entry in " \
-           f"{tmp_path / 'netrc'}); run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline" in str(e.value)
+        train_from_config(cfg)
+    assert str(e.value) == (f"logging.wandb=true but W&B has no login on this machine (no WANDB_API_KEY, no "
+                            f"api.wandb.ai entry in {tmp_path / 'netrc'}); run `wandb login`, set WANDB_API_KEY, or "
+                            f"set WANDB_MODE=offline to write the run under run_dir/wandb only (or set "
+                            f"logging.wandb: false)")
+
+
+def test_what_counts_as_a_wandb_login(tmp_path, monkeypatch):
+    from materl.runtime.logging import wandb_login_problem
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert "no api.wandb.ai entry" in wandb_login_problem()
     (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
     (tmp_path / "netrc").chmod(0o600)  # netrc refuses a password file others can read
-    assert validate_config({"logging": {"wandb": True}}).logging.wandb  # logged in (what `wandb login` writes)
-    monkeypatch.setenv("NETRC", str(tmp_path / "nope"))
+    assert wandb_login_problem() is None  # what `wandb login` writes
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert "no wandb.example.org entry" in wandb_login_problem()  # a login for another host does not count
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert validate_config({"logging": {"wandb": True}}).logging.wandb
+    assert wandb_login_problem() is None
     monkeypatch.delenv("WANDB_MODE")
     monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert validate_config({"logging": {"wandb": True}}).logging.wandb
+    assert wandb_login_problem() is None
