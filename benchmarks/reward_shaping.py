@@ -54,8 +54,8 @@ def recipe_for(method: str):
 
 
 def accuracy(result: dict) -> float:
-    """Held-out accuracy of one evaluation (``accuracy``, or ``eval/accuracy`` as metrics.jsonl names it)."""
-    return float(result["accuracy"] if "accuracy" in result else result["eval/accuracy"])
+    """Held-out accuracy of one evaluation (``ml.train``'s evals use metrics.jsonl's ``eval/`` keys)."""
+    return float(result["eval/accuracy"])
 
 
 def one_run(method: str, seed: int, args) -> dict:

@@ -1,7 +1,7 @@
 """The ``materl`` command.
 
     materl train CONFIG.yaml [--set train.steps=3 ...]     train from a config (see runtime/config.py)
-    materl eval CONFIG.yaml [--checkpoint PATH]            evaluate the config's model or a checkpoint
+    materl eval [CONFIG.yaml] [--checkpoint PATH]          evaluate the config's model or a checkpoint
     materl export CHECKPOINT OUT_DIR [--agent policy] [--no-merge]
     materl recipes [NAME] [--tool SERVER]                  list built-in recipes / print one's graph
     materl tools COMMAND...                                list an MCP server's tools
@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
-    e.add_argument("config")
+    e.add_argument("config", nargs="?", default=None,
+                   help="path to a YAML config; default with --checkpoint: the config saved in the checkpoint")
     e.add_argument("--checkpoint", default=None, help="checkpoint folder or run dir (its latest)")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     e.set_defaults(func=cmd_eval)
@@ -109,7 +110,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from materl.runtime.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+    elif args.checkpoint is not None:
+        from materl.runtime.evaluate import checkpoint_config
+
+        cfg = checkpoint_config(args.checkpoint, args.overrides)
+    else:
+        raise ConfigError("eval: give a config (materl eval CONFIG.yaml) or a checkpoint, whose saved config is "
+                          "used (materl eval --checkpoint RUN_DIR)")
     from materl.runtime.evaluate import evaluate_from_config
 
     _print_metrics(evaluate_from_config(cfg, args.checkpoint))

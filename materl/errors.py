@@ -38,6 +38,12 @@ class ConfigError(MaterlError, ValueError):
     """A configuration value is out of range or of the wrong type."""
 
 
+class DataError(ConfigError):
+    """A dataset row (or file) is malformed: bad encoding or JSON, an empty prompt, bad chat
+    messages, a column a reward reads is missing, a prompt longer than the model's context. The
+    message names the file and line (or the row index)."""
+
+
 class ModelNotFoundError(MaterlError, FileNotFoundError):
     """A model name or path does not resolve to loadable weights."""
 

@@ -38,3 +38,18 @@ def test_the_lock_pins_every_dependency_exactly():
     names = {p.split("==")[0].lower().replace("_", "-") for p in pins}
     for needed in ("torch", "transformers", "mcp", "anyio", "mojo", "pytest", "ray", "wandb", "mlflow-skinny", "trl"):
         assert needed in names, needed
+
+
+def test_readme_tools_block_runs(capsys):
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = text.split("## Tools you can train against", 1)[1]
+    code = re.findall(r"```python\n(.*?)```", section, re.S)[0]
+    exec(compile(code, "README.md", "exec"), {"__name__": "readme_tools"})  # our own documentation
+    # the calculator answers 6 * 7; episode "a" deposits twice into its Ledger, episode "b" once into its own
+    assert capsys.readouterr().out.splitlines() == ["['calc.calculate', 'deposit']", "42", "['5', '10', '5']"]
+
+
+def test_readme_says_how_to_get_a_cpu_torch():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "Python >= 3.11" in text and "python3 -m venv" in text
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in text

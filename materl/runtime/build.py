@@ -52,11 +52,11 @@ def _data_from_config(cfg) -> tuple[list, list]:
     d = cfg.data
     if d.source == "arithmetic":
         return arithmetic_split(d.train_size, d.test_size, seed=d.seed, **d.params)
-    if Path(d.source).suffix == ".jsonl":
+    if Path(d.source).suffix in (".jsonl", ".json"):
         rows = load_rows(d.source)
     else:
         import datasets
 
-        rows = load_rows(datasets.load_from_disk(d.source))
+        rows = load_rows(datasets.load_from_disk(d.source), where=d.source)
     test, train_rows = rows[: d.test_size], rows[d.test_size:]
     return (train_rows[: d.train_size] if d.train_size else train_rows), test

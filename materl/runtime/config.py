@@ -47,8 +47,32 @@ from materl.validation import describe, did_you_mean
 DATA_GENERATORS = ("arithmetic",)
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A YAML mapping names a key twice (PyYAML would keep the last value silently)."""
+
+    def __init__(self, key: Any, line: int, first: int):
+        super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
+        self.key, self.line, self.first = key, line, first
+
+
 class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string."""
+    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string, and
+    refusing a key written twice in one mapping (``DuplicateKey``, with both lines)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):  # its own keys; a merged (<<) key may be overridden
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKey(key, line, seen[key])
+                    seen[key] = line
+                except TypeError:  # an unhashable key: the base class reports it
+                    break
+        return super().construct_mapping(node, deep=deep)
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
@@ -115,12 +139,17 @@ class RewardSpec(_Section):
 class DataSection(_Section):
     """Where prompts come from: ``arithmetic`` (a seeded generator), a JSONL file, or a
     ``datasets`` folder saved with ``save_to_disk``. ``train_size``/``test_size`` are the split
-    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator."""
+    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator.
+    A prompt longer than ``max_prompt_tokens`` (and than the model's context less
+    ``compile.max_new_tokens``) is an error naming the row, or with ``truncation: left`` / ``right``
+    cut to fit (verl: ``data.max_prompt_length``, ``data.truncation``)."""
     source: str = "arithmetic"
     train_size: int | None = Field(default=256, ge=1)
     test_size: int = Field(default=32, ge=0)
     seed: int = 0
     params: dict[str, Any] = Field(default_factory=dict)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context less max_new_tokens
+    truncation: Literal["error", "left", "right"] = "error"  # an over-long prompt: an error, or cut (left keeps the end)
 
 
 class TrainSection(_Section):
@@ -288,11 +317,20 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
     try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte {raw[e.start]:#04x} on line {line} "
+                          f"({path}:{line}); save it as UTF-8") from None
+    try:
         data = _yaml(text) or {}
+    except DuplicateKey as e:
+        raise ConfigError(f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first}); a key may appear "
+                          f"once per section (YAML would keep only the last value)") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
@@ -331,6 +369,8 @@ def apply_override(data: dict[str, Any], item: str) -> None:
         raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.steps=3)")
     try:
         value = _yaml(raw) if raw.strip() else ""
+    except DuplicateKey as e:
+        raise ConfigError(f"override {item!r}: duplicate key {e.key!r} in its value") from None
     except yaml.YAMLError:
         value = raw
     node: Any = data

@@ -15,9 +15,12 @@ import materl as ml
 from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
 from materl.ops.rewards import Reward
+from materl.errors import ConfigError
 from materl.runtime.build import build_from_config
 from materl.runtime.checkpoint import load_checkpoint, restore
-from materl.runtime.data import load_rows, split_columns
+from materl.runtime.config import TrainConfig, apply_override, validate_config
+from materl.runtime.data import split_columns
+from materl.runtime.prompts import prepare_rows
 
 ACCURACY_COMPONENTS = ("answer", "exact_match", "math_answer")
 
@@ -86,7 +89,7 @@ def evaluate(agent, dataset: Any, rewards: list, *, tools=None, max_turns: int =
                              system_prompt=system_prompt)
     compiled = Compiled(evaluation, {"policy": agent}, options, rollout_only=True)
     try:
-        return evaluate_compiled(compiled, load_rows(dataset))
+        return evaluate_compiled(compiled, prepare_rows(compiled, dataset))
     finally:
         compiled.close()
 
@@ -100,13 +103,31 @@ def _term(r) -> tuple[Any, float, dict]:
     return r, 1.0, {}
 
 
+def checkpoint_config(checkpoint: str, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """The config a checkpoint was trained with (its ``config.yaml``; ``checkpoint`` a checkpoint
+    folder or a run dir, its latest), with ``overrides`` applied: what ``materl eval --checkpoint
+    RUN`` uses when no config file is given. ConfigError when the checkpoint has none (``ml.train``
+    called without ``config=``)."""
+    ckpt = load_checkpoint(checkpoint)
+    if not isinstance(ckpt.config, dict):
+        raise ConfigError(f"checkpoint {str(ckpt.path)!r} has no config.yaml (saved by ml.train without config=); "
+                          f"give the config file: materl eval CONFIG.yaml --checkpoint {checkpoint}")
+    data = dict(ckpt.config)
+    for item in overrides:
+        apply_override(data, item)
+    return validate_config(data, where=str(ckpt.path / "config.yaml"))
+
+
 def evaluate_from_config(cfg, checkpoint: str | None = None) -> dict[str, float]:
-    """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy."""
+    """What ``materl eval CONFIG.yaml [--checkpoint PATH]`` runs: the held-out split, greedy, its
+    rows checked as ``ml.train`` checks them (``data.max_prompt_tokens``, ``data.truncation``)."""
     compiled, _, test_rows = build_from_config(cfg)
     try:
         if checkpoint:
-
             restore(load_checkpoint(checkpoint), agents=compiled.agents, rng=False)
+        if test_rows:
+            test_rows = prepare_rows(compiled, test_rows, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                     truncation=cfg.data.truncation)
         return evaluate_compiled(compiled, test_rows)
     finally:
         compiled.close()

@@ -8,7 +8,8 @@ and head), its ``model.safetensors`` loaded (strict), LoRA merged into the base 
 peft's ``merge_and_unload`` (``W + (alpha / r) * B @ A``) unless ``merge_lora=False``, and the
 result written with ``save_pretrained`` plus the tokenizer (and its chat template). A value-head
 agent also writes ``value_head.safetensors`` next to the backbone (ignored by
-``AutoModelForCausalLM``, read back by ``materl.Agent(out_dir, head="value")``).
+``AutoModelForCausalLM``, read back by ``materl.Agent(out_dir, head="value")``). Every file written
+gets the mode a plain ``open`` gives (0644 under the usual umask 022), not safetensors' 0600.
 
 With ``merge_lora=False`` a LoRA agent is written as a peft adapter folder
 (``adapter_config.json`` + ``adapter_model.safetensors``) whose ``base_model_name_or_path`` is
@@ -55,7 +56,31 @@ def export(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLik
     (out / EXPORT_INFO).write_text(json.dumps({
         "checkpoint": str(ckpt.path), "step": ckpt.step, "agent": agent, "lora_merged": merged,
         **{k: info.get(k) for k in ("model_name_or_path", "head", "lora")}}, indent=2))
+    readable_by_umask(out)
     return out
+
+
+def readable_by_umask(folder: Path) -> None:
+    """Give every file under ``folder`` the mode a plain ``open`` would (``0o666`` less the umask,
+    0644 with the usual 022): safetensors writes its files through a private temporary file,
+    mode 0600, which a server reading the exported model as another user cannot open."""
+    mode = 0o666 & ~_umask()
+    for path in folder.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            path.chmod(mode)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it (Linux's /proc), else set and restored."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
 
 
 def rebuild_agent(info: dict[str, Any]):

@@ -293,11 +293,40 @@ def _tensorboard_writer(run_dir: Path, enabled: bool | None):
 
 def _start_wandb(run_dir: Path, config: Mapping[str, Any] | None, name: str | None):
     """A W&B run in ``run_dir/wandb`` (project ``materl``; ``WANDB_MODE=offline`` and the other
-    WANDB_* variables apply)."""
+    WANDB_* variables apply). ConfigError, before W&B starts, when it has no login here
+    (:func:`wandb_login_problem`), and when W&B refuses to start (its message kept)."""
     wandb = require_backend("wandb")
-    run = wandb.init(project=os.environ.get("WANDB_PROJECT", "materl"), name=name, dir=str(run_dir),
-                     config=dict(config or {}))
+    problem = wandb_login_problem()
+    if problem:
+        raise ConfigError(problem)
+    try:
+        run = wandb.init(project=os.environ.get("WANDB_PROJECT", "materl"), name=name, dir=str(run_dir),
+                         config=dict(config or {}))
+    except wandb.errors.Error as e:  # UsageError, AuthenticationError, CommError: a set-up problem
+        raise ConfigError(f"logging.wandb=true but W&B did not start: {type(e).__name__}: {e}; run `wandb login`, "
+                          f"set WANDB_API_KEY or WANDB_MODE=offline (or set logging.wandb: false)") from None
     return run if run is not None else wandb
+
+
+def wandb_login_problem() -> str | None:
+    """Why W&B would not start a run here, or None: it runs with ``WANDB_MODE=offline`` (or
+    ``disabled``), with an API key in ``WANDB_API_KEY``, or with a login in the netrc file (what
+    ``wandb login`` writes: ``$NETRC``, else ``~/.netrc``) for the host of ``WANDB_BASE_URL``."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return None
+    except (OSError, netrc.NetrcParseError):
+        pass
+    return (f"logging.wandb=true but W&B has no login on this machine (no WANDB_API_KEY, no {host} entry in "
+            f"{path}); run `wandb login`, set WANDB_API_KEY, or set WANDB_MODE=offline to write the run under "
+            f"run_dir/wandb only (or set logging.wandb: false)")
 
 
 class _MLflowRun:

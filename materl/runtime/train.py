@@ -28,8 +28,9 @@ from materl.distributed.pipeline import Pipeline
 from materl.runtime.checkpoint import load_checkpoint, load_tensors, restore, save_checkpoint
 from materl.runtime.config import config_to_dict, validate_config
 from materl.runtime.data import Sampler, load_rows
+from materl.runtime.prompts import prepare_rows
 from materl.runtime.evaluate import evaluate_async
-from materl.runtime.logging import RunLogger, format_episode
+from materl.runtime.logging import RunLogger, format_episode, wandb_login_problem
 
 
 def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
@@ -53,7 +54,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
-          learner_ranks: int = 1, learner_strategy: str = "ddp") -> dict[str, Any]:
+          learner_ranks: int = 1, learner_strategy: str = "ddp", max_prompt_tokens: int | None = None,
+          truncation: str = "error") -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
     history, evaluations and the last checkpoint path. Every record has metrics.jsonl's keys:
     ``history`` the step's metrics, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
@@ -72,14 +74,22 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     default a local one; ``weight_transport``: ``object_store`` or ``disk``). ``learner_ranks``:
     1 learns in this process; R >= 2 on R data-parallel learner ranks as Ray actors
     (``learner_strategy``: ``ddp`` or ``fsdp2``; see ``materl.distributed.ranks``). A rank that
-    dies stops the run with ``LearnerRankError``; the last checkpoint is intact."""
+    dies stops the run with ``LearnerRankError``; the last checkpoint is intact.
+
+    Every row of ``dataset`` and ``eval_dataset`` is checked before anything runs
+    (``materl.runtime.prompts.prepare_rows``): its prompt, the columns the step's rewards read,
+    and the prompt's length in tokens against the model's context less ``max_new_tokens`` (and
+    ``max_prompt_tokens``); an over-long prompt is a ``DataError`` naming the row, or cut with
+    ``truncation="left"`` (keep the end) or ``"right"``."""
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
     run = _Run(compiled, Path(run_dir), steps=steps, keep_last=keep_last, config=config)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    sampler = Sampler(load_rows(dataset), batch_size=batch_size, seed=seed, shuffle=shuffle)
+    fit = {"max_prompt_tokens": max_prompt_tokens, "truncation": truncation}
+    sampler = Sampler(prepare_rows(compiled, dataset, **fit), batch_size=batch_size, seed=seed, shuffle=shuffle)
+    eval_rows = prepare_rows(compiled, eval_dataset, where="eval_dataset", **fit) if eval_dataset is not None else None
     run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
                                                                               warmup_steps=warmup_steps))
                       for name, opt in compiled.optimizers.items()}
@@ -96,7 +106,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         restore_versions(store, load_tensors(ckpt, VERSIONS))
     run.logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
                            mlflow=mlflow, config=config)
-    run.eval_rows = load_rows(eval_dataset) if eval_dataset is not None else None
+    run.eval_rows = eval_rows
     run.eval_every, run.save_every, run.samples_every, run.on_step = eval_every, save_every, samples_every, on_step
     states: dict[int, dict] = {}  # batch index -> data position before it
 
@@ -242,7 +252,10 @@ def _reward_terms(episode) -> dict[str, float]:
 def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
     """What ``materl train CONFIG.yaml`` runs; returns the final metrics and evaluations.
     ``rows``: in-memory data (a list of rows or a ``datasets.Dataset``) instead of ``cfg.data.source``;
-    the first ``cfg.data.test_size`` rows are held out."""
+    the first ``cfg.data.test_size`` rows are held out. ``logging.wandb`` without a W&B login
+    here is a ConfigError before anything loads (evaluation, which logs nowhere, does not care)."""
+    if cfg.logging.wandb and (problem := wandb_login_problem()):
+        raise ConfigError(problem)
     compiled, train_rows, test_rows = build_from_config(cfg, load_data=rows is None)
     if rows is not None:
         rows = load_rows(rows)
@@ -258,7 +271,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
                        config=config_to_dict(cfg), workers=cfg.distributed.workers,
                        ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport,
-                       learner_ranks=cfg.distributed.learner_ranks, learner_strategy=cfg.distributed.learner_strategy)
+                       learner_ranks=cfg.distributed.learner_ranks, learner_strategy=cfg.distributed.learner_strategy,
+                       max_prompt_tokens=cfg.data.max_prompt_tokens, truncation=cfg.data.truncation)
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}

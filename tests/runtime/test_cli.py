@@ -45,6 +45,24 @@ def test_train_config_errors_list_every_field(tmp_path, capsys):
     assert "cannot read config file" in capsys.readouterr().err
 
 
+def test_eval_checkpoint_without_a_config_uses_the_saved_one(tmp_path, capsys):
+    from materl.agent import Agent
+    from materl.runtime.checkpoint import save_checkpoint
+    from materl.runtime.config import config_to_dict, validate_config
+    from materl.runtime.evaluate import checkpoint_config
+
+    saved = validate_config({"train": {"steps": 7}, "data": {"test_size": 3}})
+    agents = {"policy": Agent("tiny-random", trainable=True)}
+    save_checkpoint(tmp_path / "run", 1, agents=agents, optimizers={}, config=config_to_dict(saved))
+    cfg = checkpoint_config(str(tmp_path / "run"), ["data.test_size=2"])
+    assert (cfg.train.steps, cfg.data.test_size) == (7, 2)  # the saved config, with the override
+    save_checkpoint(tmp_path / "bare", 1, agents=agents, optimizers={})  # ml.train without config=
+    assert main(["eval", "--checkpoint", str(tmp_path / "bare")]) == 2
+    err = capsys.readouterr().err
+    assert "has no config.yaml (saved by ml.train without config=); give the config file: materl eval " \
+           f"CONFIG.yaml --checkpoint {tmp_path / 'bare'}" in err
+
+
 def test_train_and_eval_call_the_runtime(tmp_path, capsys, monkeypatch):
     """train/eval load the config (with --set overrides) and hand it to the runtime."""
     seen = {}

@@ -211,3 +211,84 @@ def test_compile_options_are_refused_before_anything_loads(monkeypatch):
         assert f"compile.{next(iter(bad))}" in str(e.value)
     with pytest.raises(ConfigError, match="compile option group_size"):
         CompileOptions.from_kwargs(group_size=2.5)
+
+
+def test_duplicate_keys_name_the_file_and_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("train:\n  steps: 3\n  batch_size: 2\n  steps: 300\nrecipe: grpo\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"{path}:4: duplicate key 'steps' (first at line 2); a key may appear once per "
+                            f"section (YAML would keep only the last value)")
+    path.write_text("train: {steps: 3}\nlogging: {progress: false}\ntrain: {steps: 4}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: duplicate key 'train' \(first at line 1\)"):
+        load_config(path)
+    path.write_text("train: {steps: 3, steps: 4}\n")  # one line, flow style
+    with pytest.raises(ConfigError, match=rf"^{path}:1: duplicate key 'steps' \(first at line 1\)"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="override 'data.params={a: 1, a: 2}': duplicate key 'a'"):
+        apply_override({}, "data.params={a: 1, a: 2}")
+
+
+def test_a_merge_key_may_be_overridden():
+    # YAML's <<: merges a mapping; a key written after it overrides the merged one (not a duplicate)
+    from materl.runtime.config import _yaml
+
+    assert _yaml("base: &b {steps: 3, batch_size: 2}\ntrain:\n  <<: *b\n  steps: 5\n")["train"] == \
+        {"steps": 5, "batch_size": 2}
+
+
+def test_a_non_utf8_config_names_the_file_and_line(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"recipe: grpo\n# caf\xe9\ntrain: {steps: 1}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path)
+    assert str(e.value) == (f"config file {str(path)!r} is not UTF-8 text: byte 0xe9 on line 2 ({path}:2); "
+                            f"save it as UTF-8")
+
+
+def test_the_data_section_sets_prompt_length_and_truncation(tmp_path):
+    cfg = validate_config({"data": {"max_prompt_tokens": 512, "truncation": "left"}})
+    assert (cfg.data.max_prompt_tokens, cfg.data.truncation) == (512, "left")
+    assert (TrainConfig().data.max_prompt_tokens, TrainConfig().data.truncation) == (None, "error")
+    with pytest.raises(ConfigError, match=r"data.truncation='middle'; accepted: 'error', 'left' or 'right'"):
+        validate_config({"data": {"truncation": "middle"}})
+    with pytest.raises(ConfigError, match=r"data.max_prompt_tokens=0 is out of range; accepted: >= 1"):
+        validate_config({"data": {"max_prompt_tokens": 0}})
+
+
+def test_wandb_without_a_login_stops_training_before_anything_loads(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import materl.engines.models as models
+    from materl.runtime.train import train_from_config
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no such file: no login
+    cfg = validate_config({"logging": {"wandb": True}})  # a valid config: `materl eval` of it logs nowhere
+    with pytest.raises(ConfigError) as e:
+        train_from_config(cfg)
+    assert str(e.value) == (f"logging.wandb=true but W&B has no login on this machine (no WANDB_API_KEY, no "
+                            f"api.wandb.ai entry in {tmp_path / 'netrc'}); run `wandb login`, set WANDB_API_KEY, or "
+                            f"set WANDB_MODE=offline to write the run under run_dir/wandb only (or set "
+                            f"logging.wandb: false)")
+
+
+def test_what_counts_as_a_wandb_login(tmp_path, monkeypatch):
+    from materl.runtime.logging import wandb_login_problem
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert "no api.wandb.ai entry" in wandb_login_problem()
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password 0123456789abcdef\n")
+    (tmp_path / "netrc").chmod(0o600)  # netrc refuses a password file others can read
+    assert wandb_login_problem() is None  # what `wandb login` writes
+    monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
+    assert "no wandb.example.org entry" in wandb_login_problem()  # a login for another host does not count
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert wandb_login_problem() is None
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_login_problem() is None

@@ -2,6 +2,8 @@
 trained logits (full fine-tune, LoRA merged, LoRA as an adapter, value head)."""
 
 import json
+import os
+import stat
 
 import pytest
 import torch
@@ -91,3 +93,19 @@ def test_export_errors(tmp_path):
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(ConfigError, match="exists and is not empty"):
         export(ckpt, tmp_path / "full")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_exported_files_have_the_mode_open_gives_under_the_umask(tmp_path, umask):
+    # safetensors writes model.safetensors (and the value head) through a 0600 temporary file;
+    # an export is read by servers and other users: 0o666 & ~umask, i.e. 0644 under 022, 0600 under 077
+    critic = Agent("tiny-random", trainable=True, head="value")
+    ckpt = save(tmp_path, {"value_model": critic})
+    old = os.umask(umask)
+    try:
+        out = export(ckpt, tmp_path / "out", agent="value_model")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir() if p.is_file()}
+    assert {"model.safetensors", "value_head.safetensors", "config.json", "materl_export.json"} <= set(modes)
+    assert set(modes.values()) == {0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}

@@ -119,6 +119,16 @@ def test_missing_backend_is_a_config_error_naming_the_extra(tmp_path, monkeypatc
         validate_config({"logging": {backend: True}})  # refused with the config, before anything loads
 
 
+def test_wandb_without_a_login_stops_before_wandb_starts(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    with pytest.raises(ConfigError, match=r"^logging.wandb=true but W&B has no login on this machine"):
+        RunLogger(tmp_path / "run", progress=False, tensorboard=False, wandb=True)
+    assert not (tmp_path / "run" / "wandb").exists()  # wandb.init never ran
+
+
 def wandb_history(run_dir) -> list[dict]:
     """The history rows W&B wrote to an offline run's .wandb file (a LevelDB-style log of
     protobuf ``Record``s: 32 KiB blocks, 7-byte chunk headers crc/length/type)."""

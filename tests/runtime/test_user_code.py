@@ -81,10 +81,10 @@ def test_recipes_command_knows_every_recipe_a_config_accepts(tmp_path):
 
 def test_a_reward_that_always_raises_stops_the_run_at_step_1_non_zero(tmp_path):
     (tmp_path / "bad_rewards.py").write_text(textwrap.dedent("""
-        def needs_missing_column(*, completions, solution, **_):  # the dataset has no 'solution' column
-            return [float(c == s) for c, s in zip(completions, solution)]
+        def always_raises(*, completions, **_):
+            raise KeyError("solution")  # (a reward whose missing column is a keyword fails at load instead)
     """))
-    path = tiny_config(tmp_path, rewards=[{"name": "bad_rewards:needs_missing_column"}])
+    path = tiny_config(tmp_path, rewards=[{"name": "bad_rewards:always_raises"}])
     out = materl_cli("train", str(path), cwd=tmp_path)
     assert out.returncode == 2, out.stderr[-2000:]
     err = out.stderr.splitlines()
