@@ -20,20 +20,17 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 
 from materl.errors import ToolError
-
-if TYPE_CHECKING:
-    from materl.rollout.mcp import MCPServer
+from materl.rollout.mcp_spec import START_TIMEOUT_S, MCPServer
 
 log = logging.getLogger("materl.rollout.mcp")
-
-START_TIMEOUT_S = 60.0
 
 
 class Answer(NamedTuple):
@@ -61,8 +58,9 @@ logging.getLogger("mcp.client.streamable_http").addFilter(_DropSDKParseNoise())
 class _Instance:
     """One connection to a server; see the module docstring."""
 
-    def __init__(self, spec: MCPServer, name: str, *, on_death: Any = None):
+    def __init__(self, spec: MCPServer, name: str, *, on_death: Any = None, episode_dir: str | None = None):
         self.spec, self.name = spec, name
+        self.episode_dir = episode_dir  # this instance's own working directory, removed by close()
         self.tools: list[Any] = []
         self.dead = anyio.Event()
         self.death_reason = ""
@@ -133,6 +131,8 @@ class _Instance:
                 self._task.cancel()
         if self._errlog is not None:
             self._errlog.close()
+        if self.episode_dir is not None:
+            shutil.rmtree(self.episode_dir, ignore_errors=True)  # the process is gone: its state goes too
 
     async def _own(self, timeout_s: float) -> None:
         from mcp import Client
@@ -177,9 +177,9 @@ class _Instance:
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
 
-        argv = self.spec.argv
-        params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(self.spec.env or {}),
-                                       cwd=self.spec.cwd, encoding_error_handler="replace")
+        argv, env, cwd = self.spec.launch(self.episode_dir)
+        params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd,
+                                       encoding_error_handler="replace")
         return stdio_client(params, errlog=self._errlog)
 
     # -- calls --
