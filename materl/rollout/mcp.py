@@ -31,13 +31,18 @@ Guarantees:
   died under calls; with exponential backoff while it keeps dying on its own) and the calls
   that were in flight on it are retried once, one at a time (``retry_on_crash=False`` turns
   that off for non-idempotent tools); ``restart_after_timeouts`` calls in a row that time out
-  restart it too.
+  restart it too. An HTTP server is never given up on: it is reconnected with backoff for as
+  long as the run lasts, each call waiting at most ``MCPServer(reconnect_s=)`` for it.
+- Start: every tool's input schema is checked as a JSON Schema (``ToolError`` naming server
+  and tool). Server settings live in ``materl.rollout.mcp_spec`` (``MCPServer``).
 - Output: each result is cut to ``max_output_bytes`` UTF-8 bytes with a visible marker, and
   invalid Unicode is replaced, before anything tokenizes it (``materl.rollout.tool_output``).
 - Per-episode state: ``isolation="episode"`` gives each episode id its own server instance,
   taken from a pool of ``pool_size`` (default 4) pre-started ones and stopped by
-  ``end_episode``; a shared server keeps ``pool_size`` (default 1) started replacements, so a
-  crash costs no start-up wait. With
+  ``end_episode``; each such stdio instance runs in a folder of its own (``{episode_dir}`` in
+  its command, env values and cwd; under ``mcp_tools(workdir=)``), removed with it, so a
+  server that keeps its state in a file starts every episode fresh. A shared server keeps
+  ``pool_size`` (default 1) started replacements, so a crash costs no start-up wait. With
   ``isolation="shared"`` one process serves all episodes; a tool whose input schema has an
   ``episode_id`` property is then stateful by convention: the Toolbox hides that property from
   the model and fills it with ``call(..., episode_id=...)`` (``materl.tools.notebook``).

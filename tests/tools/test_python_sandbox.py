@@ -203,7 +203,7 @@ print(os.listdir("/etc"), os.getuid() != 0, os.uname().nodename)
     r = await run(sandbox, code)
     lines = stdout(r).splitlines()
     assert lines[0] == str(sorted(["bin", "dev", "etc", "lib", "lib64", "opt", "sandbox", "sbin", "tmp", "usr", "work"]))
-    assert all(line.endswith(" False") for line in lines[1:12]), lines[1:12]  # no /proc: its mountinfo names host paths
+    assert all(line.endswith(" False") for line in lines[1:12]), lines[1:12]  # no /proc (mountinfo: host paths)
     assert lines[12] == str(["full", "null", "random", "shm", "urandom", "zero"])
     assert lines[13] == "['ld.so.cache'] True sandbox"
 
