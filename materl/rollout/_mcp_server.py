@@ -282,9 +282,9 @@ class _Supervised:
             await self.pool.discard_idle()
         try:
             while not self.closing:
-                if delay:
-                    log.warning("tool server %r: %s in %.1f s", self.name, "reconnecting" if http else "restarting",
-                                delay)
+                if delay:  # a long HTTP outage: one warning, then quiet retries
+                    log.log(logging.DEBUG if http and failures > 1 else logging.WARNING, "tool server %r: %s in %.1f s",
+                            self.name, "reconnecting" if http else "restarting", delay)
                     await anyio.sleep(delay)
                 try:
                     inst = await self.pool.get()
