@@ -125,8 +125,8 @@ def ray_workers(compiled: Any, n: int, *, ray_address: str | None = None, transp
         if ctx.agents[name].source is None:
             raise ConfigError(f"agent {name!r} was built from a module object: a Ray worker cannot rebuild it; "
                               f"give the Agent a model name or folder")
-    if not ray_address and not os.environ.get("RAY_ADDRESS"):  # a local cluster shares this machine's cores
-        warn_if_oversubscribed(n, max(1, int(num_cpus)))
+    if not ray_address and not os.environ.get("RAY_ADDRESS") and not import_ray().is_initialized():
+        warn_if_oversubscribed(n, max(1, int(num_cpus)))  # the local cluster materl starts shares these cores
     ray = connect(ray_address, num_cpus=max(n + 2, os.cpu_count() or 1))
     store: WeightStore = RayObjectStore() if transport == "object_store" else DiskStore(folder)
     actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(RolloutActor)
