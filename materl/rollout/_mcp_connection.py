@@ -16,7 +16,6 @@ turns that into a retry or a ``"crash"``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -124,15 +123,18 @@ class _Instance:
         self.kill(self.death_reason or "closed")
         if self._task is not None and not self._up.is_set():
             self._task.cancel()  # still connecting: the SDK's shielded shutdown stops the process
-        if self._task is not None:
-            with anyio.move_on_after(15), contextlib.suppress(Exception):
-                await asyncio.shield(self._task)
-            if not self._task.done():
-                self._task.cancel()
-        if self._errlog is not None:
-            self._errlog.close()
-        if self.episode_dir is not None:
-            shutil.rmtree(self.episode_dir, ignore_errors=True)  # the process is gone: its state goes too
+        try:
+            if self._task is not None:
+                # asyncio.wait: neither the task's own end (a cancelled start raises CancelledError)
+                # nor our caller's cancellation leaks into or out of the owner task
+                await asyncio.wait({self._task}, timeout=15)
+                if not self._task.done():
+                    self._task.cancel()
+        finally:
+            if self._errlog is not None:
+                self._errlog.close()
+            if self.episode_dir is not None:
+                shutil.rmtree(self.episode_dir, ignore_errors=True)  # the process is gone: its state goes too
 
     async def _own(self, timeout_s: float) -> None:
         from mcp import Client

@@ -106,15 +106,20 @@ class MCPServer:
 
     def launch(self, episode_dir: str | None) -> tuple[list[str], dict[str, str], str | None]:
         """(argv, env, cwd) for one stdio instance, ``{episode_dir}`` replaced by ``episode_dir``
-        (which is also the cwd when ``cwd`` is not set)."""
+        (which is also the cwd when ``cwd`` is not set). A relative program path
+        (``bin/server``) is made absolute first, as the program then starts in another folder;
+        other relative paths in the arguments resolve in the new cwd."""
         env = {str(k): str(v) for k, v in (self.env or {}).items()}
+        argv = self.argv
         if episode_dir is None:
-            return self.argv, env, self.cwd
+            return argv, env, self.cwd
 
         def fill(text: str) -> str:
             return text.replace(EPISODE_DIR, episode_dir)
 
-        return ([fill(a) for a in self.argv], {k: fill(v) for k, v in env.items()},
+        if os.sep in argv[0] and not os.path.isabs(argv[0]) and EPISODE_DIR not in argv[0]:
+            argv = [os.path.abspath(argv[0]), *argv[1:]]
+        return ([fill(a) for a in argv], {k: fill(v) for k, v in env.items()},
                 fill(self.cwd) if self.cwd is not None else episode_dir)
 
     @property

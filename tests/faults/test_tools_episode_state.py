@@ -11,6 +11,7 @@ invalid tool input schema reported at start, naming server and tool.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,6 +41,14 @@ def memory_server() -> str:
     return str(binary)
 
 
+def read(path: Path) -> str:
+    """A file's text; "" once it is gone (an ended episode's folder is removed in the background)."""
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
+
+
 def entities(text: str) -> list[tuple[str, list[str]]]:
     graph = json.loads(text)
     return [(e["name"], e["observations"]) for e in graph["entities"]]
@@ -59,8 +68,8 @@ async def test_every_episode_starts_from_an_empty_file(memory_server, tmp_path):
             assert not made.is_error, made.content
             graph = await toolbox.call("read_graph", {}, episode_id=ep)
             seen.append(entities(graph.content))
-            files = sorted(p.name for p in tmp_path.glob("*/memory.jsonl"))
-            assert len(files) == 1, files  # this episode's file, in its own folder (pooled ones have none yet)
+            mine = [p for p in tmp_path.glob("*/memory.jsonl") if f'"{ep}"' in read(p)]
+            assert len(mine) == 1, mine  # this episode's file, in a folder of its own under workdir
             await toolbox.end_episode(ep)
         await toolbox.aclose()  # waits for the ended episodes' instances
     assert seen == [[("counter", [f"ep-{k}"])] for k in range(5)]
@@ -99,6 +108,13 @@ async def test_episode_dir_is_the_cwd_and_fills_the_command(tmp_path):
         await toolbox.end_episode("a")
     assert not Path(a).exists() and not Path(b).exists()
     assert list(tmp_path.iterdir()) == []
+    # the cwd moved, so a relative program path is made absolute; {episode_dir} fills the env too
+    relative = Path(os.path.relpath(FAULTY[1]))
+    spec = MCPServer(command=[sys.executable, str(relative)], isolation="episode", env={"DB": "{episode_dir}/x"})
+    argv, env, cwd = spec.launch("/e/1")
+    assert (argv, env, cwd) == ([sys.executable, str(relative)], {"DB": "/e/1/x"}, "/e/1")  # python is absolute
+    argv, _, _ = MCPServer(command=[str(relative), "--db", "{episode_dir}/db"]).launch("/e/1")
+    assert argv == [str(ROOT / "tests/tools/faulty_server.py"), "--db", "/e/1/db"]
 
 
 async def test_an_invalid_input_schema_is_reported_at_start_naming_server_and_tool():
