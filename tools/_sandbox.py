@@ -15,7 +15,15 @@ subprocesses included):
   the run;
 - rlimits: address space (``memory_mb`` per process), CPU (timeout + 1 s), processes and
   threads (``max_processes``; enforced because the uid is not root), file size, open files,
-  no core dumps; plus a wall timeout and an output cap enforced from outside.
+  no core dumps; plus a wall timeout and an output cap enforced from outside;
+- memory the address-space limit does not see is refused or bounded: memfd_create and SysV
+  shared memory are denied by seccomp, POSIX shared memory lives in a ``/dev/shm`` tmpfs of
+  ``shm_mb``, files in ``/work`` count against ``disk_mb``. So a run holds at most
+  ``max_processes * memory_mb + disk_mb + shm_mb``. (A memory cgroup would bound the sum
+  tighter; the kernels materl is tested on offer cgroup v2 without its memory controller, so
+  the bound is built from the pieces above, which hold on any kernel with seccomp);
+- sockets: only AF_UNIX (seccomp); the network namespace has no interface anyway;
+- no ``/proc``: a proc mount's ``mountinfo`` names the host paths of every bind.
 
 ``tools/_sandbox_init.py`` is the PID 1 that builds the root and drops privileges; its
 docstring lists each step. Where the kernel refuses (no permission to create namespaces or
@@ -68,6 +76,7 @@ class Limits:
     max_timeout_s: float = 30.0
     max_processes: int = 8  # processes and threads of the sandbox user
     disk_mb: int = 64  # the /work tmpfs
+    shm_mb: int = 16  # the /dev/shm tmpfs (POSIX shared memory; memfd and SysV shm are refused)
     file_size_mb: int = 16
     max_open_files: int = 64
     max_output_chars: int = 8000
@@ -107,6 +116,7 @@ def config(code: str, root: str, status_fd: int, timeout_s: float, limits: Limit
     return {
         "root": root, "status_fd": status_fd, "code": code, "runner": RUNNER, "python": python,
         "python_prefix": prefix, "site_packages": sites, "env": env, "disk_mb": limits.disk_mb,
+        "shm_mb": limits.shm_mb,
         "uid": 100_000 + secrets.randbelow(1 << 24) if os.geteuid() == 0 else None,
         "limits": {"memory_bytes": limits.memory_mb << 20, "cpu_s": int(timeout_s) + 1,
                    "processes": limits.max_processes, "file_bytes": limits.file_size_mb << 20,

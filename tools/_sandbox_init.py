@@ -9,15 +9,17 @@ so it starts as root in new mount, PID, network, IPC, UTS and cgroup namespaces.
 1. mounts a small tmpfs as the new root and, read-only with nosuid/nodev, only what the
    interpreter needs: ``/usr`` (with the host's ``/bin``, ``/lib*`` symlinks), the Python
    installation at ``/opt/python``, the allowed site-packages at ``/opt/site-packages/N``,
-   ``/etc/ld.so.cache``; device nodes null/zero/full/random/urandom; a ``proc`` that shows only
-   this namespace's processes of the caller's own user (``hidepid=invisible,subset=pid``);
+   ``/etc/ld.so.cache``; device nodes null/zero/full/random/urandom; ``/dev/shm``, a tmpfs of
+   ``shm_mb``; no ``proc`` at all (its ``mountinfo`` would show the host paths the binds come
+   from, e.g. the virtualenv's; so ``/dev/fd`` and ``/dev/stdout`` do not exist either);
    ``/work``, a size-limited tmpfs (the only writable place; ``/tmp`` points to it); the
    program at ``/sandbox``;
 2. pivots into it, detaches the host's root, remounts the new root read-only;
 3. forks the program with no supplementary groups, a fresh uid/gid that owns nothing on the
    host, ``no_new_privs``, a seccomp filter (no new namespaces, mounts, keyrings, BPF,
-   io_uring or kernel modules), rlimits (address space, CPU, processes, file size, open files,
-   no core), a clean environment and only fds 0-2;
+   io_uring, kernel modules, memfd, SysV shared memory or message queues, POSIX message queues,
+   sockets other than AF_UNIX), rlimits (address space, CPU, processes, file size, open files,
+   no core, no message-queue bytes), a clean environment and only fds 0-2;
 4. waits for it and exits, which makes the kernel kill every process left in the namespace
    (daemons, setsid or double-forked children included).
 
@@ -88,11 +90,10 @@ def build_root(cfg: dict) -> None:
     mount("tmpfs", f"{root}/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     for dev in DEVICES:
         bind(root, f"/dev/{dev}", f"/dev/{dev}", writable=True)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        os.symlink(target, f"{root}/dev/{name}")
-    os.makedirs(f"{root}/proc")
-    mount("proc", f"{root}/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible,subset=pid")
+    os.makedirs(f"{root}/dev/shm")  # POSIX shared memory and semaphores: counted in its own small tmpfs
+    mount("tmpfs", f"{root}/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+          f"size={cfg['shm_mb']}m,nr_inodes=1024,mode=1777")
+    # No procfs: /proc/self/mountinfo would show the host paths the binds come from.
     os.makedirs(f"{root}/work")
     mount("tmpfs", f"{root}/work", "tmpfs", MS_NOSUID | MS_NODEV,
           f"size={cfg['disk_mb']}m,nr_inodes=4096,mode=0700,uid={cfg['uid']},gid={cfg['uid']}")
@@ -122,7 +123,8 @@ def become_user(cfg: dict) -> None:
     limits = cfg["limits"]
     for rlimit, value in ((resource.RLIMIT_AS, limits["memory_bytes"]), (resource.RLIMIT_CPU, limits["cpu_s"]),
                           (resource.RLIMIT_NPROC, limits["processes"]), (resource.RLIMIT_FSIZE, limits["file_bytes"]),
-                          (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0)):
+                          (resource.RLIMIT_NOFILE, limits["open_files"]), (resource.RLIMIT_CORE, 0),
+                          (resource.RLIMIT_MSGQUEUE, 0)):
         resource.setrlimit(rlimit, (value, value))
     if cfg["uid"] is not None:
         os.setgroups([])
@@ -133,54 +135,66 @@ def become_user(cfg: dict) -> None:
     os.chdir("/work")
 
 
-# -- seccomp: no new namespaces, mounts, keyrings, BPF, io_uring, module loading -----------------
+# -- seccomp: no new namespaces, mounts, keyrings, BPF, io_uring, module loading, memory outside
+# the limits, or sockets other than AF_UNIX -----------------------------------------------------
 # A second wall behind the uid: an unprivileged process may still create a user namespace (and
 # be "root" over nothing); these calls fail with EPERM (clone3 with ENOSYS, so libc falls back
-# to clone, whose namespace flags are checked). Syscall numbers per architecture.
+# to clone, whose namespace flags are checked). memfd_create, memfd_secret and SysV shared
+# memory / message queues and POSIX message queues are refused: their pages are not counted by
+# RLIMIT_AS (a memfd written with write() and never mapped, a shm segment detached again), so
+# they would pin memory past ``memory_mb``; shared memory goes through the size-limited
+# /dev/shm instead. socket()/socketpair() with a family other than AF_UNIX fail with EPERM
+# (AF_INET has no interface in the network namespace; AF_NETLINK, AF_PACKET, AF_VSOCK, ... are
+# refused outright). Syscall numbers per architecture.
 BLOCKED = {
-    "x86_64": dict(arch=0xC000003E, clone=56, clone3=435, calls=(
+    "x86_64": dict(arch=0xC000003E, clone=56, clone3=435, socket=41, socketpair=53, calls=(
         272, 308, 165, 166, 155, 161, 250, 248, 249, 321, 298, 323, 425, 426, 427, 428, 429, 430, 431, 432, 433,
-        442, 246, 320, 175, 313, 176, 135)),  # unshare setns mount umount2 pivot_root chroot keyctl add_key
-    # request_key bpf perf_event_open userfaultfd io_uring_* open_tree move_mount fs* mount_setattr
-    # kexec_load kexec_file_load init_module finit_module delete_module personality
-    "aarch64": dict(arch=0xC00000B7, clone=220, clone3=435, calls=(
+        442, 246, 320, 175, 313, 176, 135, 319, 447, 29, 68, 240)),  # unshare setns mount umount2 pivot_root
+    # chroot keyctl add_key request_key bpf perf_event_open userfaultfd io_uring_* open_tree move_mount fs*
+    # mount_setattr kexec_load kexec_file_load init_module finit_module delete_module personality
+    # memfd_create memfd_secret shmget msgget mq_open
+    "aarch64": dict(arch=0xC00000B7, clone=220, clone3=435, socket=198, socketpair=199, calls=(
         97, 268, 40, 39, 41, 51, 219, 217, 218, 280, 241, 282, 425, 426, 427, 428, 429, 430, 431, 432, 433,
-        442, 104, 294, 105, 273, 106, 92)),
+        442, 104, 294, 105, 273, 106, 92, 279, 447, 194, 186, 180)),
 }
 NS_FLAGS = 0x20000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x80
+AF_UNIX = 1
+SECCOMP_RET = {"allow": 0x7FFF0000, "eperm": 0x00050000 | 1, "enosys": 0x00050000 | 38, "kill": 0x80000000}
+
+
+def seccomp_program(table: dict, *, x32: bool) -> list[tuple[int, int, int, int]]:
+    """The BPF filter as (code, jt, jf, k); jump targets are written as labels and resolved here.
+    Order: arch check, the blocked calls, clone3, socket families, clone's namespace flags."""
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET
+    nr, arg0 = 0, 16  # offsets in struct seccomp_data (args[0]'s low word on a little-endian machine)
+    code: list[tuple] = [(ld, None, None, 4), (jeq, None, "kill", table["arch"]), (ld, None, None, nr)]
+    if x32:
+        code.append((jge, "eperm", None, 0x40000000))  # the x32 ABI's numbers
+    code += [(jeq, "eperm", None, call) for call in table["calls"]]
+    code += [(jeq, "enosys", None, table["clone3"]),
+             (jeq, "family", None, table["socket"]), (jeq, "family", None, table["socketpair"]),
+             (jeq, None, "allow", table["clone"]), (ld, None, None, arg0), (jset, "eperm", "allow", NS_FLAGS),
+             ("family",), (ld, None, None, arg0), (jeq, "allow", "eperm", AF_UNIX)]
+    labels, body = {}, []
+    for ins in code:
+        if len(ins) == 1:
+            labels[ins[0]] = len(body)
+        else:
+            body.append(ins)
+    for name in SECCOMP_RET:
+        labels[name] = len(body) + list(SECCOMP_RET).index(name)
+    prog = []
+    for i, (op, jt, jf, k) in enumerate(body):
+        to = lambda target: 0 if target is None else labels[target] - i - 1  # noqa: E731 - relative jump
+        prog.append((op, to(jt), to(jf), k))
+    return prog + [(ret, 0, 0, value) for value in SECCOMP_RET.values()]
 
 
 def install_seccomp() -> None:
     table = BLOCKED.get(platform.machine())
     if table is None:  # the namespaces and the uid still hold; this wall is skipped
         return
-    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE/JSET|K, BPF_RET
-    body = [("ld", 4), ("arch",), ("ld", 0)]
-    if platform.machine() == "x86_64":
-        body.append(("jge_eperm", 0x40000000))  # the x32 ABI's numbers
-    body += [("jeq_eperm", nr) for nr in table["calls"]]
-    body += [("jeq_enosys", table["clone3"]), ("clone", table["clone"]), ("ld", 16), ("jset_ns",)]
-    n = len(body)  # then: ALLOW at n, EPERM at n+1, ENOSYS at n+2, KILL at n+3
-    prog = []
-    for i, ins in enumerate(body):
-        to = lambda target: target - i - 1  # noqa: E731 - a jump offset from this instruction
-        kind = ins[0]
-        if kind == "ld":
-            prog.append((ld, 0, 0, ins[1]))
-        elif kind == "arch":
-            prog.append((jeq, 0, to(n + 3), table["arch"]))
-        elif kind == "jge_eperm":
-            prog.append((jge, to(n + 1), 0, ins[1]))
-        elif kind == "jeq_eperm":
-            prog.append((jeq, to(n + 1), 0, ins[1]))
-        elif kind == "jeq_enosys":
-            prog.append((jeq, to(n + 2), 0, ins[1]))
-        elif kind == "clone":
-            prog.append((jeq, 0, to(n), ins[1]))
-        else:  # jset_ns: clone's flags (args[0], low word) ask for a namespace
-            prog.append((jset, to(n + 1), to(n), NS_FLAGS))
-    prog += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x00050000 | 1), (ret, 0, 0, 0x00050000 | 38),
-             (ret, 0, 0, 0x80000000)]
+    prog = seccomp_program(table, x32=platform.machine() == "x86_64")
 
     class Filter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]

@@ -11,8 +11,10 @@ as a tool error.
 Inside, the program sees the Python installation, the server's site-packages (numpy, sympy...),
 ``/usr`` and an empty writable ``/work`` (its working directory and ``/tmp``; 64 MiB, gone
 after the run). It may start subprocesses and threads (up to ``--max-processes`` in all); when
-the run ends, every process it started is killed. It has no network, sees no host process, no
-home directory and no host configuration, and cannot write anywhere but ``/work``. Where the
+the run ends, every process it started is killed. It has no network (sockets other than
+AF_UNIX are refused), sees no host process, no ``/proc`` (so no host path), no home directory
+and no host configuration, and cannot write anywhere but ``/work`` and a 16 MiB ``/dev/shm``;
+memfd and SysV shared memory are refused, so its memory stays within the limits. Where the
 kernel refuses to build the sandbox, every call answers with an error saying so; nothing runs
 unsealed. verl counterpart: ``verl.tools.sandbox_fusion_tools`` (a remote sandbox service).
 """

@@ -30,3 +30,8 @@ class LearnerGroupClosedError(MaterlError, RuntimeError):
 
 class ExtraNotInstalledError(MaterlError, ImportError):
     """An optional dependency group (``pip install "materl[ray]"``) is needed and missing."""
+
+
+class RolloutWorkersLostError(MaterlError, RuntimeError):
+    """Every rollout worker died (its process was killed, ran out of memory, or its node was
+    lost): the run cannot sample any more. ``materl train`` reports it and exits 2."""

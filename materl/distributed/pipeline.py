@@ -147,7 +147,7 @@ class Pipeline:
                         getattr(self.workers[w], "name", w), j, list(job.groups), exc)
             self.requeued += len(job.groups)
             try:
-                self.router.mark_dead(w)
+                self.router.mark_dead(w, _first_line(exc))
             except RuntimeError as dead:
                 batch.error = dead
                 batch.done.set()
@@ -206,6 +206,11 @@ class Pipeline:
         return {"async/batch_version": float(batch.version), "async/staleness_mean": sum(lag) / len(lag),
                 "async/staleness_max": float(max(lag)), "async/dropped_stale": float(stale),
                 "async/requeued": float(self.requeued)}
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def _worker_died(exc: BaseException) -> bool:

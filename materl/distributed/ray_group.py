@@ -101,7 +101,9 @@ class LearnerGroup:
         ray = require_ray()
         _check_arguments(world_size, agents, strategy)
         if not ray.is_initialized():
-            ray.init(address=ray_address)
+            from materl.distributed.ray_workers import connect
+
+            connect(ray_address)  # a local cluster listens on 127.0.0.1 only
         elif ray_address is not None:
             raise ConfigError(f"LearnerGroup(ray_address={ray_address!r}): this process already runs Ray (ray.init "
                               "was called), so the address would be ignored; leave it out, or ray.shutdown() first")

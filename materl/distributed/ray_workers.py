@@ -16,13 +16,20 @@ not hold that version yet; on one node that is a read from Ray's shared memory);
 
 ``RayWorker`` is the driver's handle with ``LocalWorker``'s interface (``run``, ``aclose``,
 ``load``), so the pipeline treats both alike. A killed actor surfaces as Ray's
-``RayActorError`` from ``run``; the pipeline re-queues its groups on another worker.
+``RayActorError`` from ``run``; the pipeline re-queues its groups on another worker (and
+stops with ``RolloutWorkersLostError`` once none is left).
+
+A local cluster (no ``ray_address``, no ``$RAY_ADDRESS``) listens on 127.0.0.1 only
+(``start_local_cluster``); when its actors' threads and the learner's exceed the machine's
+cores, ``ray_workers`` warns with the figures.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -34,6 +41,8 @@ from materl.distributed.workers import Job, LocalWorker, rollout_agent_names
 from materl.errors import ConfigError
 
 TRANSPORTS = ("object_store", "disk")
+LOOPBACK = "127.0.0.1"
+log = logging.getLogger(__name__)
 
 
 def import_ray():
@@ -46,20 +55,59 @@ def import_ray():
 
 
 def connect(ray_address: str | None = None, *, num_cpus: int | None = None) -> Any:
-    """Join the cluster at ``ray_address`` (``"auto"``, ``"ray://head:10001"``, ...) or start a
-    local one (``num_cpus`` logical CPUs, default the machine's); a no-op if already connected.
-    The local cluster's workers see this process's ``sys.path``, so recipes and reward
-    functions defined in your own modules unpickle there."""
+    """Join the cluster at ``ray_address`` (``"auto"``, ``"ray://head:10001"``, or
+    ``$RAY_ADDRESS``) or start a local one (``num_cpus`` logical CPUs, default the machine's)
+    that listens on 127.0.0.1 only; a no-op if already connected. The local cluster's workers
+    see this process's ``sys.path``, so recipes and reward functions defined in your own
+    modules unpickle there."""
     ray = import_ray()
     if ray.is_initialized():
         return ray
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}}
-    if ray_address:
+    if ray_address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=ray_address, runtime_env=env, log_to_driver=True)
     else:
-        ray.init(num_cpus=num_cpus or os.cpu_count() or 1, include_dashboard=False, runtime_env=env,
-                 log_to_driver=True)
+        start_local_cluster(ray, num_cpus=num_cpus or os.cpu_count() or 1, runtime_env=env, log_to_driver=True)
     return ray
+
+
+def start_local_cluster(ray: Any, **init_kwargs: Any) -> None:
+    """``ray.init`` a new single-node cluster whose services (GCS, raylet, object manager,
+    agents, workers) listen on 127.0.0.1 only, without the dashboard: Ray's services have no
+    authentication of their own worth relying on (the ShadowRay attacks), so a cluster materl
+    starts for its user must not be reachable from the network. ``ray.init`` turns
+    ``_node_ip_address="127.0.0.1"`` into the machine's address unless Ray treats the machine
+    as a laptop (``ENABLE_RAY_CLUSTER`` false, as on macOS and Windows), which this does for the
+    duration of the call; with a loopback node address Ray's gRPC servers bind 127.0.0.1."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(_node_ip_address=LOOPBACK, include_dashboard=False, **init_kwargs)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
+def warn_if_oversubscribed(workers: int, threads: int) -> str | None:
+    """Warn (and return the message) when ``workers`` rollout actors of ``threads`` torch
+    threads each, plus this process's own torch threads (the learner), ask for more threads
+    than the machine has cores: they then take turns on the cores and every step is slower
+    than in one process (measured: 2 workers on 2 cores, 200 s against 58 s)."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    driver = torch.get_num_threads()
+    total = workers * threads + driver
+    if total <= cores:
+        return None
+    message = (f"materl: {workers} rollout worker(s) x {threads} torch thread(s) + {driver} learner thread(s) in this "
+               f"process = {total} threads on {cores} CPU core(s): they will compete for the cores and run slower "
+               f"than sampling in this process; use fewer workers (distributed.workers), or a machine or cluster "
+               f"with more cores")
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    log.warning("%s", message)
+    return message
 
 
 def ray_workers(compiled: Any, n: int, *, ray_address: str | None = None, transport: str = "object_store",
@@ -77,6 +125,8 @@ def ray_workers(compiled: Any, n: int, *, ray_address: str | None = None, transp
         if ctx.agents[name].source is None:
             raise ConfigError(f"agent {name!r} was built from a module object: a Ray worker cannot rebuild it; "
                               f"give the Agent a model name or folder")
+    if not ray_address and not os.environ.get("RAY_ADDRESS") and not import_ray().is_initialized():
+        warn_if_oversubscribed(n, max(1, int(num_cpus)))  # the local cluster materl starts shares these cores
     ray = connect(ray_address, num_cpus=max(n + 2, os.cpu_count() or 1))
     store: WeightStore = RayObjectStore() if transport == "object_store" else DiskStore(folder)
     actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(RolloutActor)

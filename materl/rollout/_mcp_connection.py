@@ -16,24 +16,20 @@ turns that into a retry or a ``"crash"``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import anyio
 
 from materl.errors import ToolError
-
-if TYPE_CHECKING:
-    from materl.rollout.mcp import MCPServer
+from materl.rollout.mcp_spec import START_TIMEOUT_S, MCPServer
 
 log = logging.getLogger("materl.rollout.mcp")
-
-START_TIMEOUT_S = 60.0
 
 
 class Answer(NamedTuple):
@@ -61,8 +57,9 @@ logging.getLogger("mcp.client.streamable_http").addFilter(_DropSDKParseNoise())
 class _Instance:
     """One connection to a server; see the module docstring."""
 
-    def __init__(self, spec: MCPServer, name: str, *, on_death: Any = None):
+    def __init__(self, spec: MCPServer, name: str, *, on_death: Any = None, episode_dir: str | None = None):
         self.spec, self.name = spec, name
+        self.episode_dir = episode_dir  # this instance's own working directory, removed by close()
         self.tools: list[Any] = []
         self.dead = anyio.Event()
         self.death_reason = ""
@@ -126,13 +123,18 @@ class _Instance:
         self.kill(self.death_reason or "closed")
         if self._task is not None and not self._up.is_set():
             self._task.cancel()  # still connecting: the SDK's shielded shutdown stops the process
-        if self._task is not None:
-            with anyio.move_on_after(15), contextlib.suppress(Exception):
-                await asyncio.shield(self._task)
-            if not self._task.done():
-                self._task.cancel()
-        if self._errlog is not None:
-            self._errlog.close()
+        try:
+            if self._task is not None:
+                # asyncio.wait: neither the task's own end (a cancelled start raises CancelledError)
+                # nor our caller's cancellation leaks into or out of the owner task
+                await asyncio.wait({self._task}, timeout=15)
+                if not self._task.done():
+                    self._task.cancel()
+        finally:
+            if self._errlog is not None:
+                self._errlog.close()
+            if self.episode_dir is not None:
+                shutil.rmtree(self.episode_dir, ignore_errors=True)  # the process is gone: its state goes too
 
     async def _own(self, timeout_s: float) -> None:
         from mcp import Client
@@ -177,9 +179,9 @@ class _Instance:
         from mcp import StdioServerParameters
         from mcp.client.stdio import stdio_client
 
-        argv = self.spec.argv
-        params = StdioServerParameters(command=argv[0], args=argv[1:], env=dict(self.spec.env or {}),
-                                       cwd=self.spec.cwd, encoding_error_handler="replace")
+        argv, env, cwd = self.spec.launch(self.episode_dir)
+        params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=cwd,
+                                       encoding_error_handler="replace")
         return stdio_client(params, errlog=self._errlog)
 
     # -- calls --

@@ -28,8 +28,12 @@ Recovery rules (``_Supervised.call``):
    two restarts). A server that dies on its own, with no call in flight, is replaced at once
    the first time and then after an exponential backoff (0.5 s doubling to 8 s) while it keeps
    dying that way; an answered call resets the count. A replacement that fails to start is
-   retried with the same backoff; ``max_start_failures`` failed starts in a row mark the
+   retried with the same backoff; ``max_start_failures`` failed starts in a row mark a stdio
    server down (calls get ``"unavailable"``) until the Toolbox is restarted.
+5. An HTTP server that goes away (someone else runs it) is never marked down: the handle
+   reconnects with backoff (0.5 s doubling to 2 s) for as long as the run lasts; meanwhile each
+   call waits at most ``reconnect_s`` for it and then fails as ``"unavailable"``; the first
+   call after it answers again uses it.
 """
 
 from __future__ import annotations
@@ -37,18 +41,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from materl.errors import ToolError
 from materl.rollout._mcp_connection import Answer, _Instance
-
-if TYPE_CHECKING:
-    from materl.rollout.mcp import MCPServer
+from materl.rollout.mcp_spec import RECONNECT_S, MCPServer
 
 log = logging.getLogger("materl.rollout.mcp")
 
@@ -65,9 +69,12 @@ class ServerPolicy:
     isolation: str  # "shared" | "episode"
     pool_size: int  # instances kept started and unused (a shared server's ready replacement, or new episodes')
     start_timeout_s: float = 60.0
-    max_start_failures: int = 3
+    reconnect_s: float = RECONNECT_S  # HTTP: how long one call waits for the server to answer again
+    workdir: str | None = None  # where isolated instances' own folders go (None: the system's temp dir)
+    max_start_failures: int = 3  # stdio only: an HTTP server is never given up on
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
+    max_reconnect_backoff_s: float = 2.0  # HTTP: a server that is back is used within this time
 
     def crash_delay(self, idle_deaths_in_a_row: int) -> float:
         """Rule 4: no delay for the first death with no call in flight, then exponential backoff."""
@@ -135,7 +142,11 @@ class _Pool:
         self._count += 1
         self.stats["starts"] += 1
         name = self.name if self.policy.isolation == "shared" and self._count == 1 else f"{self.name}#{self._count}"
-        inst = _Instance(self.spec, name)
+        episode_dir = None
+        if self.policy.isolation == "episode" and self.spec.url is None:  # its own working directory
+            safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+            episode_dir = tempfile.mkdtemp(prefix=f"materl-{safe}-", dir=self.policy.workdir)
+        inst = _Instance(self.spec, name, episode_dir=episode_dir)
         self._starting.add(inst)
         try:
             return await inst.start(self.policy.start_timeout_s)
@@ -221,8 +232,12 @@ class _Supervised:
         return f"tool {tool!r} failed: its server {self.name!r} crashed during the call ({reason}); {why}"
 
     def _unavailable(self, tool: str) -> str:
-        why = self.down or ("the toolbox is closing" if self.closing else
-                            f"it did not come back within {self.policy.start_timeout_s:g} s")
+        if self.down or self.closing:
+            why = self.down or "the toolbox is closing"
+        elif self.pool.spec.url is not None:
+            why = f"it did not answer within {self.policy.reconnect_s:g} s; reconnecting continues"
+        else:
+            why = f"it did not come back within {self.policy.start_timeout_s:g} s"
         return f"tool {tool!r} is unavailable: its server {self.name!r} is down ({why})"
 
     def _after_timeout(self, inst: _Instance) -> None:
@@ -262,22 +277,24 @@ class _Supervised:
 
     async def _replace(self) -> None:
         delay, failures = self.policy.crash_delay(self.idle_deaths_in_a_row), 0
-        if self.pool.spec.url is not None and self._adopted:  # idle sessions of a server that just died
+        http = self.pool.spec.url is not None
+        if http and self._adopted:  # idle sessions of a server that just died
             await self.pool.discard_idle()
         try:
             while not self.closing:
-                if delay:
-                    log.warning("tool server %r: restarting in %.1f s", self.name, delay)
+                if delay:  # a long HTTP outage: one warning, then quiet retries
+                    log.log(logging.DEBUG if http and failures > 1 else logging.WARNING, "tool server %r: %s in %.1f s",
+                            self.name, "reconnecting" if http else "restarting", delay)
                     await anyio.sleep(delay)
                 try:
                     inst = await self.pool.get()
                 except ToolError as exc:
                     failures += 1
-                    if failures >= self.policy.max_start_failures:
+                    if not http and failures >= self.policy.max_start_failures:
                         self.down = f"{exc} ({failures} failed starts in a row)"
                         log.warning("tool server %r is down: %s", self.name, self.down)
                         return
-                    delay = min(self.policy.backoff_s * 2 ** (failures - 1), self.policy.max_backoff_s)
+                    delay = self._retry_delay(failures)
                     continue
                 if self.closing:
                     await inst.close()
@@ -289,8 +306,17 @@ class _Supervised:
             self._replacing = None
             self._ready.set()
 
+    def _retry_delay(self, failures: int) -> float:
+        """Backoff after ``failures`` failed starts: 0.5 s doubling to 8 s for a stdio server;
+        to 2 s for an HTTP server, which is retried for as long as the run lasts (someone else
+        restarts it, and it is used again as soon as it answers)."""
+        cap = self.policy.max_backoff_s if self.pool.spec.url is None else self.policy.max_reconnect_backoff_s
+        return min(self.policy.backoff_s * 2 ** (failures - 1), cap)
+
     async def _live(self) -> _Instance | None:
-        deadline = time.monotonic() + self.policy.start_timeout_s + self.policy.max_backoff_s
+        wait = self.policy.reconnect_s if self.pool.spec.url is not None else \
+            self.policy.start_timeout_s + self.policy.max_backoff_s
+        deadline = time.monotonic() + wait
         while not self.closing and self.down is None:
             inst = self.current
             if inst is not None and inst.alive:
@@ -332,6 +358,11 @@ class _MCPBackend:
 
     async def start(self) -> None:
         first = await self.pool.first()
+        try:
+            check_input_schemas(self.name, first.tools)
+        except ToolError:
+            await first.close()
+            raise
         self.tools = first.tools
         if self.policy.isolation == "shared":
             self.shared = _Supervised(self.pool, self.name, self.stats, first)
@@ -368,3 +399,25 @@ class _MCPBackend:
         self.episodes.clear()
         await asyncio.gather(*(h.close() for h in handles), *list(self._ending), self.pool.close(),
                              return_exceptions=True)
+
+
+def check_input_schemas(server: str, tools: list[Any]) -> None:
+    """Each tool's input schema must be a valid JSON Schema (2020-12, the version MCP names)
+    describing an object; else ``ToolError`` naming the server, the tool and what is wrong."""
+    from jsonschema import Draft202012Validator
+    from jsonschema.exceptions import SchemaError
+
+    for tool in tools:
+        schema = tool.input_schema
+        problem = None
+        try:
+            Draft202012Validator.check_schema(schema)
+        except SchemaError as exc:
+            where = "/".join(str(p) for p in exc.absolute_path) or "(top level)"
+            problem = f"{exc.message} (at {where})"
+        if problem is None and schema.get("type", "object") != "object":
+            problem = f"its type is {schema.get('type')!r}; MCP tool arguments are an object"
+        if problem is None and not isinstance(schema.get("properties", {}), dict):
+            problem = "'properties' is not an object"
+        if problem is not None:
+            raise ToolError(f"tool server {server!r}: tool {tool.name!r} has an invalid input schema: {problem}")

@@ -31,13 +31,18 @@ Guarantees:
   died under calls; with exponential backoff while it keeps dying on its own) and the calls
   that were in flight on it are retried once, one at a time (``retry_on_crash=False`` turns
   that off for non-idempotent tools); ``restart_after_timeouts`` calls in a row that time out
-  restart it too.
+  restart it too. An HTTP server is never given up on: it is reconnected with backoff for as
+  long as the run lasts, each call waiting at most ``MCPServer(reconnect_s=)`` for it.
+- Start: every tool's input schema is checked as a JSON Schema (``ToolError`` naming server
+  and tool). Server settings live in ``materl.rollout.mcp_spec`` (``MCPServer``).
 - Output: each result is cut to ``max_output_bytes`` UTF-8 bytes with a visible marker, and
   invalid Unicode is replaced, before anything tokenizes it (``materl.rollout.tool_output``).
 - Per-episode state: ``isolation="episode"`` gives each episode id its own server instance,
   taken from a pool of ``pool_size`` (default 4) pre-started ones and stopped by
-  ``end_episode``; a shared server keeps ``pool_size`` (default 1) started replacements, so a
-  crash costs no start-up wait. With
+  ``end_episode``; each such stdio instance runs in a folder of its own (``{episode_dir}`` in
+  its command, env values and cwd; under ``mcp_tools(workdir=)``), removed with it, so a
+  server that keeps its state in a file starts every episode fresh. A shared server keeps
+  ``pool_size`` (default 1) started replacements, so a crash costs no start-up wait. With
   ``isolation="shared"`` one process serves all episodes; a tool whose input schema has an
   ``episode_id`` property is then stateful by convention: the Toolbox hides that property from
   the model and fills it with ``call(..., episode_id=...)`` (``materl.tools.notebook``).
@@ -56,22 +61,21 @@ import copy
 import difflib
 import logging
 import os
-import shlex
-import sys
 import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 
 from materl.errors import ConfigError, ToolError
 from materl.rollout._json_calls import clean_value
-from materl.rollout._mcp_connection import START_TIMEOUT_S as CONNECT_TIMEOUT_S  # noqa: F401 (re-export)
 from materl.rollout._mcp_connection import Answer
 from materl.rollout._mcp_server import ServerPolicy, _MCPBackend
+from materl.rollout.mcp_spec import EPISODE_DIR, MCPServer, looks_like_url
+from materl.rollout.mcp_spec import START_TIMEOUT_S as CONNECT_TIMEOUT_S  # noqa: F401 (re-export)
+from materl.rollout.mcp_spec import check_settings as _check_settings
 from materl.rollout.parsers import error_result
 from materl.rollout.python_tools import PythonTools, _PythonBackend
 from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes
@@ -83,91 +87,9 @@ log = logging.getLogger(__name__)
 
 EPISODE_ID = "episode_id"
 DEFAULT_TIMEOUT_S = 30.0
-ISOLATIONS = ("shared", "episode")
 # Instances kept started and unused: a shared server's ready replacement (a crash costs no
 # start-up wait), or the next episodes' own instances.
 DEFAULT_POOL = {"shared": 1, "episode": 4}
-
-
-@dataclass(frozen=True, kw_only=True)
-class MCPServer:
-    """One MCP server: ``command`` (stdio; a string is split like a shell would) or ``url``
-    (streamable HTTP). Fields left ``None`` take the ``mcp_tools`` defaults: ``timeout_s``,
-    ``max_concurrency`` (per instance), ``isolation`` ("shared" or "episode"), ``pool_size``
-    (pre-started instances), ``retry_on_crash``, ``restart_after_timeouts``. ``start_timeout_s``
-    bounds one start (connect and list tools).
-    ``prefix`` names its tools ``prefix.tool``. A leading ``python``/``python3`` in ``command``
-    runs as ``sys.executable``. A stdio server gets the SDK's safe default environment (PATH,
-    HOME, ...) plus ``env``. (Not the SDK's server class ``mcp.server.mcpserver.MCPServer``:
-    this one only describes how to reach a server.)"""
-
-    command: str | Sequence[str] | None = None
-    url: str | None = None
-    name: str = ""
-    prefix: str | None = None
-    env: Mapping[str, str] | None = None
-    cwd: str | None = None
-    max_concurrency: int | None = None
-    timeout_s: float | None = None
-    isolation: str | None = None
-    pool_size: int | None = None
-    retry_on_crash: bool | None = None
-    restart_after_timeouts: int | None = None
-    start_timeout_s: float = CONNECT_TIMEOUT_S
-
-    def __post_init__(self) -> None:
-        if (self.command is None) == (self.url is None):
-            raise ConfigError(f"MCPServer needs exactly one of command= or url=, got command={self.command!r}, "
-                              f"url={self.url!r}")
-        if self.command is not None and not self.argv:
-            raise ConfigError(f"MCPServer command is empty: {self.command!r}")
-        if self.url is not None and urlsplit(self.url).scheme not in ("http", "https"):
-            raise ConfigError(f"MCPServer url must start with http:// or https://, got {self.url!r}")
-        _check_settings(self.timeout_s, self.max_concurrency, self.isolation, self.pool_size,
-                        self.restart_after_timeouts, where=f"MCPServer {self.label!r}")
-        if not (isinstance(self.start_timeout_s, (int, float)) and self.start_timeout_s > 0):
-            raise ConfigError(f"MCPServer {self.label!r}: start_timeout_s must be > 0, got {self.start_timeout_s!r}")
-
-    @property
-    def argv(self) -> list[str]:
-        if self.command is None:
-            return []
-        argv = shlex.split(self.command) if isinstance(self.command, str) else [str(a) for a in self.command]
-        if argv and argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
-        return argv
-
-    @property
-    def label(self) -> str:
-        """``name``, else derived: ``-m pkg.mod`` -> ``mod``, ``path/x.py`` -> ``x``, URL -> host:port."""
-        if self.name:
-            return self.name
-        if self.url is not None:
-            return urlsplit(self.url).netloc or self.url
-        argv = self.argv
-        if "-m" in argv[:-1]:
-            return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
-        script = next((a for a in argv if a.endswith(".py")), argv[0] if argv else "server")
-        return os.path.splitext(os.path.basename(script))[0]
-
-    def describe(self) -> str:
-        return self.url if self.url is not None else shlex.join(self.argv)
-
-
-def _check_settings(timeout_s: Any, max_concurrency: Any, isolation: Any, pool_size: Any,
-                    restart_after_timeouts: Any, *, where: str) -> None:
-    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-        raise ConfigError(f"{where}: timeout_s must be > 0, got {timeout_s!r}")
-    if max_concurrency is not None and not (isinstance(max_concurrency, int) and max_concurrency >= 1):
-        raise ConfigError(f"{where}: max_concurrency must be an integer >= 1, got {max_concurrency!r}")
-    if isolation is not None and isolation not in ISOLATIONS:
-        raise ConfigError(f"{where}: isolation={isolation!r}; accepted: {', '.join(ISOLATIONS)}")
-    if pool_size is not None and not (isinstance(pool_size, int) and pool_size >= 0):
-        raise ConfigError(f"{where}: pool_size must be an integer >= 0, got {pool_size!r}")
-    if restart_after_timeouts is not None and not (isinstance(restart_after_timeouts, int)
-                                                   and restart_after_timeouts >= 0):
-        raise ConfigError(f"{where}: restart_after_timeouts must be an integer >= 0 (0: never), "
-                          f"got {restart_after_timeouts!r}")
 
 
 Source = MCPServer | PythonTools
@@ -178,7 +100,7 @@ def as_server(spec: Source | str | Sequence[str]) -> Source:
     if isinstance(spec, (MCPServer, PythonTools)):
         return spec
     if isinstance(spec, str):
-        if spec.strip().startswith(("http://", "https://")):
+        if looks_like_url(spec):  # ws://... is a URL with an unsupported scheme, never a command line
             return MCPServer(url=spec.strip())
         return MCPServer(command=spec)
     if isinstance(spec, Sequence) and all(isinstance(a, str) for a in spec):
@@ -196,11 +118,14 @@ def _with_prefix(prefix: str, spec: Any) -> Source:
 def mcp_tools(*servers: Source | str | Sequence[str] | Mapping[str, Any], timeout_s: float | None = None,
               max_concurrency: int = 8, restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
               retry_on_crash: bool = True, restart_after_timeouts: int = 3,
-              max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, separator: str = ".") -> Toolbox:
+              max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, separator: str = ".",
+              workdir: str | None = None) -> Toolbox:
     """A ``Toolbox`` over the given servers; start it with ``async with`` or ``await start()``.
 
     A dict ``{prefix: server}`` prefixes each server's tools (``db.query``). The keywords are
     defaults for servers that set none; see the module docstring for what each guarantees.
+    ``workdir``: where isolated server instances get their own folders (default: the system's
+    temporary directory).
     verl: ``tools_config_file`` + ``MCPClientManager``; here a server is its command line.
     """
     specs: list[Source] = []
@@ -214,7 +139,7 @@ def mcp_tools(*servers: Source | str | Sequence[str] | Mapping[str, Any], timeou
                           "PythonTools")
     return Toolbox(specs, timeout_s=timeout_s, max_concurrency=max_concurrency, restart=restart, isolation=isolation,
                    pool_size=pool_size, retry_on_crash=retry_on_crash, restart_after_timeouts=restart_after_timeouts,
-                   max_output_bytes=max_output_bytes, separator=separator)
+                   max_output_bytes=max_output_bytes, separator=separator, workdir=workdir)
 
 
 def list_tools(server: Source | str | Sequence[str], *, timeout_s: float = 30.0) -> list[dict[str, Any]]:
@@ -241,7 +166,7 @@ class Toolbox:
                  restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
                  retry_on_crash: bool = True,
                  restart_after_timeouts: int = 3, max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
-                 separator: str = "."):
+                 separator: str = ".", workdir: str | None = None):
         _check_settings(timeout_s, max_concurrency, isolation, pool_size, restart_after_timeouts, where="mcp_tools")
         if not (isinstance(max_output_bytes, int) and max_output_bytes >= 256):
             raise ConfigError(f"mcp_tools: max_output_bytes must be an integer >= 256, got {max_output_bytes!r}")
@@ -249,7 +174,9 @@ class Toolbox:
         self._servers = list(servers)
         self._settings = dict(max_concurrency=max_concurrency, restart=restart, isolation=isolation,
                               pool_size=pool_size, retry_on_crash=retry_on_crash,
-                              restart_after_timeouts=restart_after_timeouts)
+                              restart_after_timeouts=restart_after_timeouts, workdir=workdir)
+        if workdir is not None and not os.path.isdir(workdir):
+            raise ConfigError(f"mcp_tools: workdir={workdir!r} is not an existing directory")
         self._backends: list[Any] = []
         self._specs: dict[str, Source] = {}
         self._build_backends()
@@ -278,6 +205,9 @@ class Toolbox:
                 self._backends.append(_PythonBackend(spec, name))
                 continue
             isolation = spec.isolation or st["isolation"]
+            if isolation != "episode" and spec.uses_episode_dir:
+                raise ConfigError(f"tool server {name!r} ({spec.describe()}) uses {EPISODE_DIR}, which exists only "
+                                  f"for isolation='episode' (one instance per episode); it has isolation={isolation!r}")
             policy = ServerPolicy(
                 timeout_s=spec.timeout_s or timeout_s, max_concurrency=spec.max_concurrency or st["max_concurrency"],
                 restart=st["restart"], retry_on_crash=_pick(spec.retry_on_crash, st["retry_on_crash"]),
@@ -285,7 +215,7 @@ class Toolbox:
                 isolation=isolation,
                 pool_size=_pick(spec.pool_size, _pick(st["pool_size"], DEFAULT_POOL[isolation]))
                 if st["restart"] or isolation == "episode" else 0,
-                start_timeout_s=spec.start_timeout_s)
+                start_timeout_s=spec.start_timeout_s, reconnect_s=spec.reconnect_s, workdir=st["workdir"])
             self._backends.append(_MCPBackend(spec, name, policy))
 
     # -- lifecycle --

@@ -12,6 +12,7 @@ from materl.distributed.versions import (
     load_version,
     version_state,
 )
+from materl.distributed.errors import RolloutWorkersLostError
 from materl.errors import ConfigError
 
 
@@ -33,9 +34,16 @@ def test_deterministic_routing_is_group_index_mod_live_workers():
 
 
 def test_losing_every_worker_is_an_error():
-    router = Router(["w0"])
-    with pytest.raises(RuntimeError, match="every rollout worker has died"):
-        router.mark_dead(0)
+    class Worker:
+        def __init__(self, name):
+            self.name = name
+
+    router = Router([Worker("rollout-0"), Worker("rollout-1")])
+    router.mark_dead(1, "RayActorError: the actor died unexpectedly")
+    with pytest.raises(RolloutWorkersLostError, match=r"every rollout worker has died \(2 of 2\), so the run cannot "
+                                                      r"sample any more: rollout-0: killed; rollout-1: RayActorError"):
+        router.mark_dead(0, "killed")
+    assert issubclass(RolloutWorkersLostError, RuntimeError)
 
 
 @pytest.fixture

@@ -194,8 +194,13 @@ def test_server_specs():
     assert as_server("http://127.0.0.1:9/mcp").label == "127.0.0.1:9"
     with pytest.raises(ConfigError, match="exactly one of command= or url="):
         MCPServer(command="x", url="http://a/mcp")
-    with pytest.raises(ConfigError, match="must start with http"):
+    with pytest.raises(ConfigError, match=r"the ftp:// transport is not supported; accepted: http:// or https://"):
         MCPServer(url="ftp://a")
+    # a URL of an unsupported scheme is never run as a command line (the SDK has no WebSocket client)
+    with pytest.raises(ConfigError, match=r"'ws://127.0.0.1:9/mcp': the ws:// transport is not supported"):
+        as_server("ws://127.0.0.1:9/mcp")
+    with pytest.raises(ConfigError, match=r"uses \{episode_dir\}, which exists only for isolation='episode'"):
+        mcp_tools(MCPServer(command=["srv", "--db", "{episode_dir}/x.db"]))
     with pytest.raises(ConfigError, match="got int"):
         as_server(3)
     with pytest.raises(ConfigError, match="at least one server"):

@@ -19,10 +19,13 @@ Calls run concurrently. Tools:
 - ``surrogate``: the answer's text contains an escaped lone surrogate (``"\\ud800"``).
 - ``huge``: a text of ``size`` bytes.   ``slow``: answers after ``seconds``.
 - ``error``: an MCP error result (``isError``).   ``rpc_error``: a JSON-RPC error answer.
-- ``echo(text)``, ``pid()``, and per-process state: ``insert(value)``, ``total()``.
+- ``echo(text)``, ``pid()``, ``cwd()`` (its working directory), ``argv()`` (its arguments, JSON),
+  and per-process state:
+  ``insert(value)``, ``total()``.
 
 ``--start-delay S`` makes start-up slow; ``--fail-start`` exits before serving, and
 ``--fail-start-if-exists PATH`` does when PATH exists (a server that stops coming back).
+``--bad-schema`` adds a tool ``broken`` whose input schema is not a valid JSON Schema.
 """
 
 import asyncio
@@ -45,7 +48,8 @@ TOOLS = [_tool("work", {"fault": {**_STR, "enum": list(FAULTS)}, "seconds": _NUM
          *(_tool(f) for f in FAULTS if f not in ("none", "slow", "huge")),
          _tool("slow", {"seconds": _NUM}, ["seconds"]), _tool("huge", {"size": _INT}, ["size"]),
          _tool("echo", {"text": _STR}, ["text"]), _tool("pid"), _tool("insert", {"value": _INT}, ["value"]),
-         _tool("total")]
+         _tool("total"), _tool("cwd"), _tool("argv")]
+BROKEN = {**_tool("broken", {"x": {"type": "no-such-type"}}), "description": "A tool with an invalid schema."}
 ROWS: list[int] = []
 FROZEN = asyncio.Event()
 
@@ -81,6 +85,10 @@ async def call_tool(name, args, raw):
         return _text(args["text"])
     if name == "pid":
         return _text(str(os.getpid()))
+    if name == "cwd":
+        return _text(os.getcwd())
+    if name == "argv":
+        return _text(json.dumps(sys.argv[1:]))
     if name == "insert":
         ROWS.append(int(args["value"]))
         return _text(f"inserted; {len(ROWS)} rows")
@@ -198,6 +206,8 @@ def main(argv):
     if "--fail-start" in argv or (flag and os.path.exists(flag)):
         print("faulty_server: failing at start on purpose", file=sys.stderr)
         sys.exit(7)
+    if "--bad-schema" in argv:
+        TOOLS.append(BROKEN)
     if "--http" in argv:
         asyncio.run(serve_http(int(argv[argv.index("--http") + 1])))
     else:

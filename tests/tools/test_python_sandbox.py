@@ -194,19 +194,17 @@ async def test_sees_only_what_the_interpreter_needs(sandbox):
     code = '''
 import os
 print(sorted(os.listdir("/")))
-for p in ("/root", "/home", "/etc/passwd", "/etc/shadow", "/etc/hostname", "/work/wt-tools", "/proc/sys", "/proc/1",
+for p in ("/root", "/home", "/etc/passwd", "/etc/shadow", "/etc/hostname", "/work/wt-tools", "/proc", "/proc/1",
           "/sys", "/var", "/run"):
     print(p, os.path.exists(p))
-print(sorted(os.listdir("/proc")))
+print(sorted(os.listdir("/dev")))
 print(os.listdir("/etc"), os.getuid() != 0, os.uname().nodename)
 '''
     r = await run(sandbox, code)
     lines = stdout(r).splitlines()
-    assert lines[0] == str(sorted(["bin", "dev", "etc", "lib", "lib64", "opt", "proc", "sandbox", "sbin", "tmp",
-                                    "usr", "work"]))
-    assert all(line.endswith(" False") for line in lines[1:12]), lines[1:12]
-    procs = eval(lines[12])  # noqa: S307 - our own printed list
-    assert "self" in procs and "1" not in procs and all(p.isdigit() or p in ("self", "thread-self") for p in procs)
+    assert lines[0] == str(sorted(["bin", "dev", "etc", "lib", "lib64", "opt", "sandbox", "sbin", "tmp", "usr", "work"]))
+    assert all(line.endswith(" False") for line in lines[1:12]), lines[1:12]  # no /proc (mountinfo: host paths)
+    assert lines[12] == str(["full", "null", "random", "shm", "urandom", "zero"])
     assert lines[13] == "['ld.so.cache'] True sandbox"
 
 
@@ -215,7 +213,7 @@ async def test_no_environment_or_descriptor_leaks(sandbox):
     code = '''
 import os
 print(sorted(os.environ))
-print(sorted(os.listdir("/proc/self/fd")))
+print(os.path.exists("/proc"))
 open_fds = []
 for fd in range(3, 256):
     try:
@@ -224,19 +222,14 @@ for fd in range(3, 256):
     except OSError:
         pass
 print(open_fds)
-for pid in os.listdir("/proc"):
-    try:
-        print("SECRET" if b"materl-secret" in open(f"/proc/{pid}/environ", "rb").read() else "clean")
-    except OSError:
-        pass
 '''
     r = await run(sandbox, code)
     lines = stdout(r).splitlines()
     assert SECRET not in r.content
     assert lines[0] == str(sorted(["HOME", "LANG", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OMP_NUM_THREADS",
                                     "OPENBLAS_NUM_THREADS", "PATH", "TMPDIR"]))
-    assert lines[1] in ("['0', '1', '2', '3']", "['0', '1', '2']")  # 3 is the listing itself
-    assert lines[2] == "[]" and "SECRET" not in lines[3:]
+    assert lines[1] == "False"  # no /proc/*/environ to read other processes' environments from
+    assert lines[2] == "[]"  # only fds 0-2
 
 
 # -- no network ---------------------------------------------------------------------------------
@@ -271,7 +264,7 @@ attempt("unix_path", lambda: socket.socket(socket.AF_UNIX).connect({str(tmp_path
 attempt("dns", lambda: socket.getaddrinfo("example.com", 80))
 attempt("raw", lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))
 attempt("public", lambda: socket.create_connection(("1.1.1.1", 53), timeout=2))
-print("interfaces", socket.if_nameindex())
+attempt("interfaces", socket.if_nameindex)  # netlink: refused by the socket-family filter
 '''
     try:
         r = await run(sandbox, code)
@@ -284,8 +277,9 @@ print("interfaces", socket.if_nameindex())
         for s in (tcp, udp, abstract, path_sock):
             s.close()
     lines = dict(line.split(" ", 1) for line in stdout(r).splitlines())
-    assert all(lines[k] != "returned" for k in ("tcp", "tcp6", "abstract", "unix_path", "dns", "raw", "public")), lines
-    assert lines["interfaces"] == "[(1, 'lo')]"
+    assert all(lines[k] != "returned" for k in ("tcp", "tcp6", "abstract", "unix_path", "dns", "raw", "public",
+                                                "interfaces")), lines
+    assert lines["tcp"] == lines["raw"] == lines["interfaces"] == "PermissionError"  # seccomp: AF_UNIX only
 
 
 # -- processes: limited, and none outlives the call ---------------------------------------------
@@ -299,11 +293,11 @@ subprocess.Popen(["setsid", "sh", "-c", "sleep 600 & exec sleep 601"], start_new
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        os.execv("/bin/sh", ["sh", "-c", "exec -a {marker} sleep 602"])
+        os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(602)  # {marker}"])
     os._exit(0)
-subprocess.Popen(["sh", "-c", "exec -a {marker} sleep 603"], start_new_session=True)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(603)  # {marker}"], start_new_session=True)
 time.sleep(0.5)
-print("left", sorted(p for p in os.listdir("/proc") if p.isdigit()).__len__() >= 3)
+print("left", child.poll() is None)
 '''
     r = await run(sandbox, code)
     assert "left True" in r.content  # they were running when the program ended
