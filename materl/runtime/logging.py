@@ -132,9 +132,10 @@ class RunLogger:
             bar.update(step - bar.n)
 
     # -- closing --
-    def close(self) -> Path | None:
+    def close(self, *, plot: bool = True) -> Path | None:
         """Flush and close every sink and write ``run_dir/plot.png``; returns the plot's path
-        (None when nothing was logged)."""
+        (None when nothing was logged). ``plot=False`` skips the plot (an interrupted run stops
+        without importing matplotlib, seconds on a busy machine; ``plot_metrics`` draws it later)."""
         if self._closed:
             return None
         self._closed = True
@@ -147,7 +148,7 @@ class RunLogger:
             self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.close()
-        return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
+        return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE) if plot else None
 
     def __enter__(self) -> RunLogger:
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +30,7 @@ from materl.runtime.checkpoint import load_checkpoint, load_tensors, restore, sa
 from materl.runtime.config import config_to_dict, validate_config
 from materl.runtime.data import Sampler, load_rows
 from materl.runtime.evaluate import evaluate_async
+from materl.runtime import signals
 from materl.runtime.logging import RunLogger, format_episode
 
 
@@ -82,8 +84,10 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
                                                                               warmup_steps=warmup_steps))
                       for name, opt in compiled.optimizers.items()}
+    ray_before = _ray_running()
     store, rollout_workers = rollout_side(compiled, workers=workers, ray_address=ray_address,
                                           transport=weight_transport, folder=str(Path(run_dir) / "versions"))
+    signals.rearm()  # ray.init installs a SIGTERM handler of its own
     if resume:
         ckpt = load_checkpoint(resume)
         restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=run.schedulers)
@@ -107,18 +111,27 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
         return states.pop(k) if k in states else sampler.state_dict()
 
+    interrupted = False
     try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
         run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
+        signals.rearm()
         pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
                             max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
                             progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
         compiled.call_blocking(run.loop, pipeline, data_position)
+    except KeyboardInterrupt:  # SIGINT/SIGTERM (materl.runtime.signals): stop now, keep the last checkpoint
+        interrupted = True
+        raise
     finally:
-        run.logger.close()
+        run.logger.close(plot=not interrupted)
         if run.ranks is not None:
             run.ranks.shutdown()
         if workers:
             compiled.call_blocking(_close_workers, rollout_workers)
+        if not ray_before and _ray_running():
+            import ray
+
+            ray.shutdown()  # the local cluster (or the connection) this call started
     return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
             "run_dir": str(run_dir)}
 
@@ -225,6 +238,10 @@ def learner_side(compiled, ranks: int, *, strategy: str, ray_address: str | None
     require_ray()  # ExtraNotInstalledError naming the extra, before anything starts
     connect(ray_address, num_cpus=max(ranks + 2, os.cpu_count() or 1))  # no-op when the workers connected
     return RankedLearner(compiled, ranks, strategy=strategy)
+
+
+def _ray_running() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
 
 
 async def _close_workers(workers) -> None:
