@@ -51,7 +51,7 @@ def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
 
 def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_dataset: Any = None,
           eval_every: int = 0, save_every: int = 0, keep_last: int = 3, run_dir: str | Path = "runs/materl",
-          resume: str | Path | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
+          resume: str | Path | None = None, resume_fallback: bool = True, lr_schedule: str = "constant", warmup_steps: int = 0,
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
@@ -73,7 +73,13 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     default a local one; ``weight_transport``: ``object_store`` or ``disk``). ``learner_ranks``:
     1 learns in this process; R >= 2 on R data-parallel learner ranks as Ray actors
     (``learner_strategy``: ``ddp`` or ``fsdp2``; see ``materl.distributed.ranks``). A rank that
-    dies stops the run with ``LearnerRankError``; the last checkpoint is intact."""
+    dies stops the run with ``LearnerRankError``; the last checkpoint is intact.
+
+    ``resume``: a checkpoint folder or a run dir (its latest). Every file is checked against the
+    checkpoint's manifest first; a damaged latest of a run dir is skipped with a warning naming
+    the file, for the newest intact one (``resume_fallback=False``: CheckpointError instead).
+    SIGINT/SIGTERM under ``materl train`` (``materl.runtime.signals``) stop the run after the
+    compute item in flight, a save in progress completes first."""
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
     run = _Run(compiled, Path(run_dir), steps=steps, keep_last=keep_last, config=config)
@@ -89,7 +95,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
                                           transport=weight_transport, folder=str(Path(run_dir) / "versions"))
     signals.rearm()  # ray.init installs a SIGTERM handler of its own
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(resume, fallback=resume_fallback)
         restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=run.schedulers)
         sampler.load_state_dict(ckpt.data_state["sampler"])
         compiled.step_count = run.start = int(ckpt.step)
@@ -268,7 +274,7 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
         result = train(compiled, train_rows, steps=t.steps, batch_size=t.batch_size,
                        eval_dataset=(test_rows[: t.eval_size] if t.eval_size else test_rows) or None,
                        eval_every=t.eval_every, save_every=t.save_every, keep_last=t.keep_last, run_dir=t.run_dir,
-                       resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
+                       resume=resume, resume_fallback=t.resume_fallback, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
                        config=config_to_dict(cfg), workers=cfg.distributed.workers,

@@ -17,9 +17,11 @@ import torch
 
 from materl.agent import Agent
 from materl.errors import ConfigError
+import materl.runtime.checkpoint as ck
 from materl.runtime.checkpoint import (
     load_checkpoint, resolve_checkpoint, restore, save_checkpoint,
 )
+from materl.runtime.manifest import write_manifest
 from materl.runtime.config import validate_config
 
 IDS = torch.tensor([[257, 72, 105, 33, 258]])  # "<|im_start|>Hi!<|im_end|>" in the byte tokenizer
@@ -149,6 +151,7 @@ def test_optimizer_state_loads_weights_only(tmp_path):
     agents, opts = tiny_agents()
     path = save_checkpoint(tmp_path, 1, agents=agents, optimizers=opts)
     torch.save({"state": {}, "param_groups": [], "evil": Evil()}, path / "optim" / "policy.pt")
+    write_manifest(path, ck._write_text)  # whoever planted the file can rewrite the manifest too
     with pytest.raises(pickle.UnpicklingError):
         restore(load_checkpoint(tmp_path), agents=agents, optimizers=opts)
 
