@@ -84,7 +84,9 @@ class _Server:
             with cpu_allocator.scope():
                 result = fn(*args, **kwargs)
         except (KeyboardInterrupt, SystemExit) as exc:
-            future.set_exception(WorkInterrupted(f"compute work {_name(fn)} was interrupted ({type(exc).__name__})"))
+            if not future.done():
+                future.set_exception(WorkInterrupted(f"compute work {_name(fn)} was interrupted "
+                                                     f"({type(exc).__name__})"))
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(exc)
