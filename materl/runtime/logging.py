@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -148,7 +149,13 @@ class RunLogger:
             self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.close()
-        return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE) if plot else None
+        if not plot:
+            return None
+        try:
+            return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
+        except OSError as exc:  # e.g. a full disk: the run's own error (if any) is the one to report
+            warnings.warn(f"could not write {self.run_dir / PLOT_FILE}: {exc}", RuntimeWarning, stacklevel=2)
+            return None
 
     def __enter__(self) -> RunLogger:
         return self
