@@ -48,6 +48,7 @@ class _State:
     held: int | None = None  # a signal held by ``deferred()``
     deferring = 0
     previous: dict[int, object] = {}
+    done = threading.Event()  # set when ``handled()`` is left
 
 
 def _handle(signum: int, frame: object) -> None:
@@ -56,16 +57,16 @@ def _handle(signum: int, frame: object) -> None:
     _State.first = signum
     _say(f"{signal.Signals(signum).name} received: stopping (the last complete checkpoint is kept); "
          f"send it again to exit at once")
-    threading.Thread(target=_watchdog, args=(signum,), name="materl-stop-deadline", daemon=True).start()
+    threading.Thread(target=_watchdog, args=(signum, _State.done), name="materl-stop-deadline", daemon=True).start()
     if _State.deferring:
         _State.held = signum
         return
     raise Interrupted(signum)
 
 
-def _watchdog(signum: int) -> None:
-    time.sleep(STOP_DEADLINE_S)
-    _exit_now(signum, f"still stopping after {STOP_DEADLINE_S:.0f} s")
+def _watchdog(signum: int, done: threading.Event) -> None:
+    if not done.wait(STOP_DEADLINE_S):  # set when ``handled()`` is left: the stop is complete
+        _exit_now(signum, f"still stopping after {STOP_DEADLINE_S:.0f} s")
 
 
 def _exit_now(signum: int, why: str) -> None:
@@ -89,7 +90,7 @@ def handled() -> Iterator[None]:
         yield
         return
     _State.previous = {s: signal.getsignal(s) for s in SIGNALS}
-    _State.installed, _State.first, _State.held = True, None, None
+    _State.installed, _State.first, _State.held, _State.done = True, None, None, threading.Event()
     rearm()
     try:
         yield
@@ -97,6 +98,7 @@ def handled() -> Iterator[None]:
         for s, h in _State.previous.items():
             signal.signal(s, h)
         _State.installed = False
+        _State.done.set()
 
 
 def rearm() -> None:
