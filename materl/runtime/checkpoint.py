@@ -105,7 +105,13 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, agents: Mapping[st
                 raise save_error(exc, root, step, latest=_latest_name(root),
                                  estimate=lambda: _state_bytes(agents, optimizers)) from exc
             raise
-        _write_text(root / LATEST, name + "\n")
+        previous = _latest_name(root)
+        try:
+            _write_text(root / LATEST, name + "\n")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name} was saved, but {root / LATEST} could not be updated "
+                                  f"({exc.strerror or exc}); {previous or 'no checkpoint'} is still the latest "
+                                  f"({name} is complete: resume from it by its path)") from exc
         _fsync_dir(root)
         _prune(root, keep_last=keep_last, keep=name)
     return final
