@@ -55,7 +55,7 @@ def _handle(signum: int, frame: object) -> None:
     if _State.first is not None:
         _exit_now(signum, "second signal")
     _State.first = signum
-    _say(f"{signal.Signals(signum).name} received: stopping (the last complete checkpoint is kept); "
+    _say(f"{signal.Signals(signum).name} received: stopping cleanly; "
          f"send it again to exit at once")
     threading.Thread(target=_watchdog, args=(signum, _State.done), name="materl-stop-deadline", daemon=True).start()
     if _State.deferring:
