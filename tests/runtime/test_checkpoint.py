@@ -244,3 +244,18 @@ def test_pruning_leaves_no_step_folder_half_deleted(tmp_path):
     assert resolve_checkpoint(tmp_path).name == "step-000001"
     save_checkpoint(tmp_path, 3, agents=agents, optimizers=opts, keep_last=1)  # removes it (its pid is gone)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003"]
+
+
+def test_a_full_device_is_reported_as_a_full_disk_naming_the_file():
+    """/dev/full fails every write with ENOSPC, for real; torch reports it as 'unexpected pos ...'
+    (the OSError only its context), and the checkpoint writer turns it back into that OSError
+    with the file's name. (A full tmpfs during a whole run: tests/faults/test_checkpoints.py.)"""
+    import errno
+    import stat
+    from pathlib import Path
+
+    if not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+        pytest.skip("no /dev/full character device here")
+    with pytest.raises(OSError) as caught:
+        ck._torch_save({"x": torch.zeros(100_000)}, Path("/dev/full"))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == "/dev/full"
