@@ -10,7 +10,8 @@
 
 Errors materl raises on purpose (``MaterlError``) print their message to stderr (the first line
 after ``error:``, details indented below it) and exit with status 2; anything else is a bug and
-keeps its traceback.
+keeps its traceback. SIGINT (Ctrl-C) and SIGTERM stop a command cleanly and exit 130 / 143; a
+second one exits at once (``materl.runtime.signals``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from materl.errors import ConfigError, MaterlError
+from materl.errors import ConfigError, Interrupted, MaterlError
+from materl.runtime import signals
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    with signals.handled():  # SIGINT/SIGTERM: a clean stop; a second one exits at once
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except MaterlError as e:
@@ -37,9 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in details:  # e.g. each failing config field, each kind of failed episode
             print(f"  {line}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"materl {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Interrupted (SIGINT, SIGTERM) or a plain Ctrl-C
+        code = e.exit_code if isinstance(e, Interrupted) else 130
+        reaped = signals.kill_descendants()  # what a clean stop left behind (none, normally)
+        left = f"; stopped {len(reaped)} leftover child process(es)" if reaped else ""
+        print(f"materl {args.command}: interrupted ({e or 'SIGINT received'}), exit {code}{left}", file=sys.stderr)
+        return code
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,7 @@ import functools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -51,6 +52,7 @@ from typing import Any, TypeVar
 import anyio
 
 from materl import cpu_allocator
+from materl.errors import WorkInterrupted
 
 T = TypeVar("T")
 
@@ -70,24 +72,45 @@ class _Server:
         return future
 
     def run_one(self, item: _Item) -> None:
+        """Run one item. A KeyboardInterrupt (or SystemExit) raised in it is this thread's own:
+        the item's caller gets ``WorkInterrupted`` and the interrupt goes on up this thread. Handing
+        the interrupt itself to a caller awaiting in an event loop would make asyncio re-raise it
+        out of ``run_forever()`` and kill the loop's thread, which the serving thread then waits
+        on for ever."""
         future, fn, args, kwargs = item
         if not future.set_running_or_notify_cancel():
             return
         try:
             with cpu_allocator.scope():
                 result = fn(*args, **kwargs)
-            future.set_result(result)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            if not future.done():
+                future.set_exception(WorkInterrupted(f"compute work {_name(fn)} was interrupted "
+                                                     f"({type(exc).__name__})"))
+            raise
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             future.set_exception(exc)
+        else:
+            future.set_result(result)
 
-    def until(self, future: Future) -> Any:
-        """Run work items here until ``future`` is done; return its result (or raise)."""
+    def until(self, future: Future, *, timeout_s: float | None = None) -> Any:
+        """Run work items here until ``future`` is done; return its result (or raise). With
+        ``timeout_s``, give up after that long (TimeoutError) and leave the rest to the next
+        target (``serving``'s hand-over)."""
         future.add_done_callback(lambda _: self.items.put(None))
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not future.done():
-            item = self.items.get()
+            try:
+                item = self.items.get(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"compute: the awaited work was not done after {timeout_s} s") from None
             if item is not None:
                 self.run_one(item)
         return future.result()
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc <malloc.h>

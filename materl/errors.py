@@ -79,3 +79,29 @@ class StepTimeoutError(MaterlError, TimeoutError):
 
 class RecipeWarning(UserWarning):
     """A recipe that runs but probably does not mean what it says (e.g. inputs a node ignores)."""
+
+
+class WorkInterrupted(MaterlError, RuntimeError):
+    """A compute work item stopped because its thread was interrupted (Ctrl-C, a signal). What
+    the code that awaited the item sees; the interrupt itself goes on up the interrupted thread."""
+
+
+class CheckpointError(MaterlError, OSError):
+    """A checkpoint cannot be written (a full disk, no permission) or does not verify against its
+    manifest (a truncated, zeroed or changed file, a missing file); the message names the file."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM asked the run to stop (``materl.runtime.signals``); ``signum`` says which.
+    A KeyboardInterrupt, not a MaterlError: ``except Exception`` must never swallow it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(f"{signal.Signals(signum).name} received")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal number, as a shell reports a process a signal ended: 130, 143."""
+        return 128 + self.signum

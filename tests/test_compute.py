@@ -105,3 +105,38 @@ def test_compiled_run_decodes_and_learns_in_the_calling_thread(monkeypatch):
         step.close()
     assert metrics["step"] == 1.0
     assert threads == {"decode": {threading.current_thread()}, "learn": {threading.current_thread()}}
+
+
+def test_an_interrupt_in_served_work_stays_in_the_serving_thread():
+    """Ctrl-C while the serving thread runs an item: the interrupt goes up that thread, the task
+    that awaited the item gets WorkInterrupted, and the loop's thread lives on (it used to die of
+    the re-raised KeyboardInterrupt, leaving the serving thread waiting for ever)."""
+    from materl.compiler.loop import LoopThread
+    from materl.errors import WorkInterrupted
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    seen: list[BaseException] = []
+
+    async def step():
+        try:
+            await compute.acall(ctrl_c)
+        except BaseException as exc:
+            seen.append(exc)
+            raise
+
+    loop = LoopThread("materl-test-interrupt")
+    with compute.serving() as here:
+        future = loop.submit(step)
+        with pytest.raises(KeyboardInterrupt):
+            here.until(future)
+        with pytest.raises(WorkInterrupted, match="ctrl_c was interrupted"):
+            here.until(future, timeout_s=10)
+    assert [type(e) for e in seen] == [WorkInterrupted]
+    assert loop.call(_async_add, 2, 3) == 5  # the loop's thread survived
+    loop.close()
+
+
+async def _async_add(a, b):
+    return a + b

@@ -34,6 +34,7 @@ from materl.errors import CompileError
 from materl.graph.node import Recipe
 from materl.ops.reference import make_reference_policy
 
+STOP_WAIT_S = 10.0  # how long an interrupted step may take to unwind before the caller goes on
 _ROLLOUTS = itertools.count()  # rollout calls in this process: part of every episode's uid
 
 
@@ -141,7 +142,23 @@ class Compiled:
             raise CompileError(f"compiled.{fn.__name__.lstrip('a')}() was called inside an event loop; "
                                f"use `await compiled.{fn.__name__}(...)`")
         with compute.serving() as here:  # this thread decodes and learns while the loop runs the step
-            return here.until(self._loop.submit(fn, *args, **kwargs))
+            future = self._loop.submit(fn, *args, **kwargs)
+            try:
+                return here.until(future)
+            except BaseException:  # Ctrl-C or a signal (materl.runtime.signals) while the step runs
+                if not future.done():
+                    self._stop(future, here)
+                raise
+
+    def _stop(self, future, here) -> None:
+        """Cancel the step behind ``future`` and serve its compute work while it unwinds (its
+        ``finally`` blocks run, its tasks end); give up after ``STOP_WAIT_S``: the caller is
+        stopping anyway, and ``close()`` still stops the tool servers."""
+        self._loop.cancel(future)
+        try:
+            here.until(future, timeout_s=STOP_WAIT_S)
+        except Exception:  # noqa: BLE001 - CancelledError, or what the step raised while unwinding
+            pass
 
     def close(self) -> None:
         """Stop the tool servers this step started and the background event loop. The recipe's

@@ -2,6 +2,7 @@
 
     loop = LoopThread()
     future = loop.submit(step.arun, prompts)     # concurrent.futures.Future
+    loop.cancel(future)                          # cancels the task; the future is done once it unwound
     loop.close()                                 # also runs when the owner is garbage-collected
 
 ``Compiled.run`` is blocking; the step itself is async (episodes, tool calls). Blocking calls
@@ -18,7 +19,7 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from typing import Any
 
 STOP_WAIT_S = 5.0
@@ -31,16 +32,58 @@ class LoopThread:
         self.name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._finalizer: weakref.finalize | None = None
+        self._tasks: dict[Future, asyncio.Task] = {}  # submitted and running (touched in the loop's thread)
 
     @property
     def running(self) -> bool:
         return self._loop is not None and self._loop.is_running()
 
     def submit(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Future:
-        """Schedule ``fn(*args, **kwargs)`` on the loop; the returned future holds its result."""
+        """Schedule ``fn(*args, **kwargs)`` as a task of the loop; the returned future holds its
+        result, and is done only once the task is (``cancel`` waits for its clean-up to run)."""
         if self._loop is None:
             self._start()
-        return asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._loop)
+        loop, future = self._loop, Future()
+
+        def start() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                task = loop.create_task(fn(*args, **kwargs))
+            except BaseException as exc:  # noqa: BLE001 - e.g. fn is not a coroutine function
+                future.set_exception(exc)
+                return
+            self._tasks[future] = task
+            task.add_done_callback(lambda t: self._finished(future, t))
+
+        loop.call_soon_threadsafe(start)
+        return future
+
+    def cancel(self, future: Future) -> None:
+        """Cancel the task behind ``future`` (from ``submit``); ``future`` is done once the task
+        has run its clean-up (``finally`` blocks, closing tool servers) and raises CancelledError
+        unless the task ended otherwise meanwhile."""
+        if self._loop is None or self._loop.is_closed():
+            return
+
+        def cancel() -> None:
+            task = self._tasks.get(future)
+            if task is not None:
+                task.cancel()
+
+        try:
+            self._loop.call_soon_threadsafe(cancel)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _finished(self, future: Future, task: asyncio.Task) -> None:
+        self._tasks.pop(future, None)
+        if task.cancelled():
+            future.set_exception(CancelledError(f"{self.name}: the task was cancelled"))
+        elif task.exception() is not None:
+            future.set_exception(task.exception())
+        else:
+            future.set_result(task.result())
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, Any]], *args: Any, **kwargs: Any) -> Any:
         """``submit`` and wait for the result."""

@@ -14,16 +14,23 @@ Layout of ``run_dir/checkpoints/step-000030/``::
     rng.pt                            torch (+ CUDA), python ``random`` and numpy RNG states
     state.json                        step, data_state, metrics, format version
     config.yaml                       the run's config (when given)
+    manifest.json                     size and SHA-256 of every file above (runtime/manifest.py)
 
 Atomicity: everything is written into ``checkpoints/.tmp-step-000030-<pid>-<id>/``, each file
-fsync'd, then the folder is renamed into place (one ``rename``, atomic on POSIX) and the
-``checkpoints/latest`` pointer file is replaced atomically (temp file + ``os.replace``). A crash
-at any point leaves the previous checkpoint and ``latest`` untouched; a half-written temp folder
-is never taken for a checkpoint (only ``step-*`` folders with a ``state.json`` are) and is
-removed by the next save. Checkpoints beyond ``keep_last`` are deleted only after the new one is
-complete. (verl: ``global_step_N`` folders + ``latest_checkpointed_iteration.txt``, written in
-place; TRL: ``transformers.Trainer`` ``checkpoint-N`` with ``save_total_limit``. Deliberate
-difference: rename-into-place so no reader ever sees a partial checkpoint.)
+fsync'd, the manifest last, then the folder is renamed into place (one ``rename``, atomic on
+POSIX) and the ``checkpoints/latest`` pointer file is replaced atomically (temp file +
+``os.replace``). A crash at any point leaves the previous checkpoint and ``latest`` untouched; a
+half-written temp folder is never taken for a checkpoint (only ``step-*`` folders with a
+manifest are) and is removed by the next save. A first SIGINT/SIGTERM during a save waits for it
+(``signals.deferred``). A failed write (a full disk) raises CheckpointError naming the file and
+the space needed, after removing the temp folder. Checkpoints beyond ``keep_last`` are deleted
+only after the new one is complete, each renamed out of ``step-*`` first. Loading checks every
+file against the manifest; from a run dir, a damaged latest falls back to the newest intact one
+with a warning (``fallback=False``: an error). (verl: ``global_step_N`` folders +
+``latest_checkpointed_iteration.txt``, written in place, no checksums; TRL:
+``transformers.Trainer`` ``checkpoint-N`` with ``save_total_limit``. Deliberate difference:
+rename-into-place so no reader ever sees a partial checkpoint, and checksums so none loads a
+damaged one.)
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import os
 import random
 import shutil
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,10 +49,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from materl.errors import ConfigError
+from materl.errors import CheckpointError, ConfigError
+from materl.runtime import signals
 from materl.runtime.config import config_to_dict
+from materl.runtime.manifest import MANIFEST, has_manifest, save_error, verify, write_manifest, writing
 
-FORMAT = 1
+FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified
+READABLE = (1, 2)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE = "state.json"
@@ -83,34 +94,74 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, agents: Mapping[st
     _remove_stale_temps(root)
     name = step_dir_name(step)
     tmp = root / f"{_TMP}{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        _write_agents(tmp, agents)
-        _write_states(tmp / "optim", optimizers)
-        _write_states(tmp / "sched", schedulers or {})
-        _torch_save(rng_state(), tmp / "rng.pt")
-        _write_tensors(tmp / "extra", tensors or {})
-        if config is not None:
-            _write_text(tmp / "config.yaml", _config_yaml(config))
-        state = {"format": FORMAT, "step": step, "data_state": dict(data_state or {}),
-                 "metrics": _floats(metrics or {}), "agents": sorted(agents),
-                 "optimizers": sorted(optimizers), "schedulers": sorted(schedulers or {})}
-        _write_text(tmp / STATE, _json(state, "data_state"))  # written last: marks the folder complete
-        _fsync_dir(tmp)
-        final = root / name
-        if final.exists():  # re-saving a step (e.g. after a resume): move the old one aside first
-            old = root / f"{_TMP}old-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            shutil.rmtree(old, ignore_errors=True)
-        os.rename(tmp, final)
+    with signals.deferred():  # a first SIGINT/SIGTERM waits for the save to finish (or roll back)
+        try:
+            _write_all(tmp, agents=agents, optimizers=optimizers, schedulers=schedulers or {},
+                       data_state=data_state, config=config, metrics=metrics, tensors=tensors or {}, step=step)
+            final = _move_into_place(tmp, root / name)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError):
+                raise save_error(exc, root, step, latest=_latest_name(root),
+                                 estimate=lambda: _state_bytes(agents, optimizers)) from exc
+            raise
+        previous = _latest_name(root)
+        try:
+            _write_text(root / LATEST, name + "\n")
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint {name} was saved, but {root / LATEST} could not be updated "
+                                  f"({exc.strerror or exc}); {previous or 'no checkpoint'} is still the latest "
+                                  f"({name} is complete: resume from it by its path)") from exc
         _fsync_dir(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _write_text(root / LATEST, name + "\n")
-    _fsync_dir(root)
-    _prune(root, keep_last=keep_last, keep=name)
+        _prune(root, keep_last=keep_last, keep=name)
     return final
+
+
+def _write_all(tmp: Path, *, agents, optimizers, schedulers, data_state, config, metrics, tensors,
+               step: int) -> None:
+    """Every file of the checkpoint into ``tmp``, the manifest last."""
+    tmp.mkdir()
+    _write_agents(tmp, agents)
+    _write_states(tmp / "optim", optimizers)
+    _write_states(tmp / "sched", schedulers)
+    _torch_save(rng_state(), tmp / "rng.pt")
+    _write_tensors(tmp / "extra", tensors)
+    if config is not None:
+        _write_text(tmp / "config.yaml", _config_yaml(config))
+    state = {"format": FORMAT, "step": step, "data_state": dict(data_state or {}),
+             "metrics": _floats(metrics or {}), "agents": sorted(agents),
+             "optimizers": sorted(optimizers), "schedulers": sorted(schedulers)}
+    _write_text(tmp / STATE, _json(state, "data_state"))
+    write_manifest(tmp, _write_text)  # last: covers every file above
+    _fsync_dir(tmp)
+
+
+def _move_into_place(tmp: Path, final: Path) -> Path:
+    """Rename the finished temp folder to ``final`` (one atomic rename)."""
+    if final.exists():  # re-saving a step (e.g. after a resume): move the old one out of step-* first
+        old = final.with_name(f"{_TMP}old-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def _state_bytes(agents: Mapping[str, Any], optimizers: Mapping[str, Any]) -> int:
+    """Bytes of the weights and optimizer tensors a save writes (an estimate of its size)."""
+    n = sum(t.numel() * t.element_size() for a in agents.values() for t in a.model.state_dict().values())
+    for opt in optimizers.values():
+        n += sum(t.numel() * t.element_size() for st in opt.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor))
+    return n
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_text().strip()
+    except OSError:
+        return None
+    return name if (root / name).is_dir() else None
 
 
 def _write_agents(folder: Path, agents: Mapping[str, Any]) -> None:
@@ -119,8 +170,9 @@ def _write_agents(folder: Path, agents: Mapping[str, Any]) -> None:
     for name, agent in agents.items():
         d = folder / "agents" / name
         d.mkdir(parents=True)
-        save_model(agent.model, str(d / "model.safetensors"))  # dedups tied weights
-        _fsync_file(d / "model.safetensors")
+        with writing(d / "model.safetensors"):
+            save_model(agent.model, str(d / "model.safetensors"))  # dedups tied weights
+            _fsync_file(d / "model.safetensors")
         _write_text(d / "agent.json", json.dumps(agent_info(agent), indent=2))
 
 
@@ -143,8 +195,10 @@ def _write_tensors(folder: Path, tensors: Mapping[str, Mapping[str, torch.Tensor
         return
     folder.mkdir()
     for name, table in tensors.items():
-        save_file({k: v.detach().contiguous() for k, v in table.items()}, str(folder / f"{name}.safetensors"))
-        _fsync_file(folder / f"{name}.safetensors")
+        path = folder / f"{name}.safetensors"
+        with writing(path):
+            save_file({k: v.detach().contiguous() for k, v in table.items()}, str(path))
+            _fsync_file(path)
 
 
 def load_tensors(checkpoint: Any, name: str) -> dict[str, torch.Tensor]:
@@ -171,10 +225,15 @@ def _config_yaml(config: Any) -> str:
 
 
 def _prune(root: Path, *, keep_last: int, keep: str) -> None:
+    """Delete all but the newest ``keep_last`` checkpoints. Each leaves the ``step-*`` names by
+    one rename before its files go, so a kill mid-delete leaves a temp folder (removed by the
+    next save), never a ``step-*`` folder that looks complete and is not."""
     steps = sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())
     for old in steps[:-keep_last]:
         if old.name != keep:
-            shutil.rmtree(old, ignore_errors=True)
+            doomed = root / f"{_TMP}pruned-{old.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(old, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _remove_stale_temps(root: Path) -> None:
@@ -231,32 +290,80 @@ class Checkpoint:
         return _torch_load(self.path / "rng.pt")
 
 
+def candidates(path_or_run_dir: str | os.PathLike) -> tuple[list[Path], bool]:
+    """The checkpoints ``path_or_run_dir`` names, newest first, and whether it named one folder
+    itself. A run dir or a ``checkpoints`` folder names the one ``latest`` points at, then the
+    complete ``step-*`` folders before it (all of them, without a readable ``latest``)."""
+    p = Path(path_or_run_dir)
+    if _complete(p):
+        return [p], True
+    for root in (p / CHECKPOINTS, p):
+        complete = sorted((d for d in root.glob(f"{_PREFIX}*") if _complete(d)), reverse=True)
+        latest = _latest_name(root)
+        if latest is not None and _complete(root / latest):
+            return [root / latest] + [d for d in complete if d.name < latest], False
+        if complete:
+            return complete, False
+    raise ConfigError(f"no checkpoint at {str(p)!r}: expected a step-NNNNNN folder with {MANIFEST} (or {STATE}), or "
+                      f"a run dir whose {CHECKPOINTS}/{LATEST} names one")
+
+
+def _complete(folder: Path) -> bool:
+    """A finished save: its manifest (format 2) or, from before manifests, its state.json."""
+    return folder.is_dir() and (has_manifest(folder) or (folder / STATE).is_file())
+
+
 def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
     """A checkpoint folder from itself, a run dir or a ``checkpoints`` folder (via ``latest``;
-    without a readable ``latest``, the highest complete ``step-*``)."""
-    p = Path(path_or_run_dir)
-    if (p / STATE).is_file():
-        return p
-    for root in (p / CHECKPOINTS, p):
-        if (root / LATEST).is_file():
-            target = root / (root / LATEST).read_text().strip()
-            if (target / STATE).is_file():
-                return target
-        complete = sorted(d for d in root.glob(f"{_PREFIX}*") if (d / STATE).is_file())
-        if complete:
-            return complete[-1]
-    raise ConfigError(f"no checkpoint at {str(p)!r}: expected a step-NNNNNN folder with {STATE}, or a run dir "
-                      f"whose {CHECKPOINTS}/{LATEST} names one")
+    without a readable ``latest``, the highest complete ``step-*``). Does not verify it."""
+    return candidates(path_or_run_dir)[0][0]
 
 
-def load_checkpoint(path_or_run_dir: str | os.PathLike) -> Checkpoint:
-    """Read a checkpoint's metadata (see :func:`resolve_checkpoint` for what the path may be)."""
+def load_checkpoint(path_or_run_dir: str | os.PathLike, *, fallback: bool = True, verify_files: bool = True
+                    ) -> Checkpoint:
+    """Read a checkpoint's metadata (see :func:`candidates` for what the path may be), after
+    checking every file against its manifest. A damaged one (a file missing, truncated, zeroed or
+    changed) raises CheckpointError naming the file; given a run dir, ``fallback`` instead warns
+    (CheckpointWarning) and takes the newest intact checkpoint before it. A checkpoint from before
+    manifests (format 1) loads with a warning that it cannot be verified."""
+    folders, explicit = candidates(path_or_run_dir)
+    damaged: list[str] = []
+    for folder in folders:
+        try:
+            ckpt = _load_one(folder, verify_files=verify_files)
+        except CheckpointError as exc:
+            if explicit or not fallback:
+                hint = "" if explicit else " (train.resume_fallback: true resumes from the newest intact one)"
+                raise CheckpointError(f"{exc}{hint}") from None
+            damaged.append(str(exc))
+            continue
+        if damaged:
+            warnings.warn(f"{'; '.join(damaged)}. Falling back to {str(folder)!r} (step {ckpt.step}), the newest "
+                          f"intact checkpoint", CheckpointWarning, stacklevel=2)
+        return ckpt
+    raise CheckpointError(f"no intact checkpoint at {str(path_or_run_dir)!r}: " + "; ".join(damaged))
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (damaged) or could not be verified (format 1, no manifest)."""
+
+
+def _load_one(path: Path, *, verify_files: bool) -> Checkpoint:
     import yaml
 
-    path = resolve_checkpoint(path_or_run_dir)
-    state = json.loads((path / STATE).read_text())
-    if state.get("format") != FORMAT:
-        raise ConfigError(f"checkpoint {str(path)!r} has format {state.get('format')!r}; this materl reads {FORMAT}")
+    if has_manifest(path):
+        if verify_files:
+            verify(path)
+    else:
+        warnings.warn(f"checkpoint {str(path)!r} has no {MANIFEST} (format 1, saved by an older materl): its files "
+                      f"cannot be verified", CheckpointWarning, stacklevel=3)
+    try:
+        state = json.loads((path / STATE).read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: file {STATE} is unreadable ({exc})") from None
+    if state.get("format") not in READABLE:
+        raise ConfigError(f"checkpoint {str(path)!r} has format {state.get('format')!r}; this materl reads "
+                          f"{', '.join(map(str, READABLE))}")
     agents = {name: json.loads((path / "agents" / name / "agent.json").read_text()) for name in state["agents"]}
     config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else None
     return Checkpoint(path=path, step=int(state["step"]), data_state=state.get("data_state") or {},
@@ -326,7 +433,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
+    with writing(path), open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
@@ -339,11 +446,15 @@ def _torch_load(path: Path) -> Any:
 def _write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically: temp file in the same folder, fsync, os.replace."""
     tmp = path.with_name(f"{_TMP}{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with writing(path), open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _fsync_file(path: Path) -> None:

@@ -165,6 +165,7 @@ class TrainSection(_Section):
     seed: int = 0
     run_dir: str = "runs/materl"
     resume: str | bool | None = None  # a checkpoint/run dir, or true: this run_dir's latest
+    resume_fallback: bool = True  # a damaged latest checkpoint: warn and resume from the newest intact one
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainSection:

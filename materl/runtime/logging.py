@@ -19,6 +19,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,9 +133,10 @@ class RunLogger:
             bar.update(step - bar.n)
 
     # -- closing --
-    def close(self) -> Path | None:
+    def close(self, *, plot: bool = True) -> Path | None:
         """Flush and close every sink and write ``run_dir/plot.png``; returns the plot's path
-        (None when nothing was logged)."""
+        (None when nothing was logged). ``plot=False`` skips the plot (an interrupted run stops
+        without importing matplotlib, seconds on a busy machine; ``plot_metrics`` draws it later)."""
         if self._closed:
             return None
         self._closed = True
@@ -147,7 +149,13 @@ class RunLogger:
             self._wandb.finish()
         if self._mlflow is not None:
             self._mlflow.close()
-        return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
+        if not plot:
+            return None
+        try:
+            return plot_metrics(self.metrics_path, self.run_dir / PLOT_FILE)
+        except OSError as exc:  # e.g. a full disk: the run's own error (if any) is the one to report
+            warnings.warn(f"could not write {self.run_dir / PLOT_FILE}: {exc}", RuntimeWarning, stacklevel=2)
+            return None
 
     def __enter__(self) -> RunLogger:
         return self

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -30,6 +31,7 @@ from materl.runtime.config import config_to_dict, validate_config
 from materl.runtime.data import Sampler, load_rows
 from materl.runtime.prompts import prepare_rows
 from materl.runtime.evaluate import evaluate_async
+from materl.runtime import signals
 from materl.runtime.logging import RunLogger, format_episode, wandb_login_problem
 
 
@@ -50,7 +52,7 @@ def lr_lambda(schedule: str, *, steps: int, warmup_steps: int):
 
 def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_dataset: Any = None,
           eval_every: int = 0, save_every: int = 0, keep_last: int = 3, run_dir: str | Path = "runs/materl",
-          resume: str | Path | None = None, lr_schedule: str = "constant", warmup_steps: int = 0,
+          resume: str | Path | None = None, resume_fallback: bool = True, lr_schedule: str = "constant", warmup_steps: int = 0,
           seed: int = 0, shuffle: bool = True, progress: bool = True, samples_every: int = 0,
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
@@ -80,7 +82,13 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     (``materl.runtime.prompts.prepare_rows``): its prompt, the columns the step's rewards read,
     and the prompt's length in tokens against the model's context less ``max_new_tokens`` (and
     ``max_prompt_tokens``); an over-long prompt is a ``DataError`` naming the row, or cut with
-    ``truncation="left"`` (keep the end) or ``"right"``."""
+    ``truncation="left"`` (keep the end) or ``"right"``.
+
+    ``resume``: a checkpoint folder or a run dir (its latest). Every file is checked against the
+    checkpoint's manifest first; a damaged latest of a run dir is skipped with a warning naming
+    the file, for the newest intact one (``resume_fallback=False``: CheckpointError instead).
+    SIGINT/SIGTERM under ``materl train`` (``materl.runtime.signals``) stop the run after the
+    compute item in flight, a save in progress completes first."""
     if steps < 1 or batch_size < 1:
         raise ConfigError(f"train: steps and batch_size must be >= 1, got steps={steps}, batch_size={batch_size}")
     run = _Run(compiled, Path(run_dir), steps=steps, keep_last=keep_last, config=config)
@@ -93,10 +101,12 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
                                                                               warmup_steps=warmup_steps))
                       for name, opt in compiled.optimizers.items()}
+    ray_before = _ray_running()
     store, rollout_workers = rollout_side(compiled, workers=workers, ray_address=ray_address,
                                           transport=weight_transport, folder=str(Path(run_dir) / "versions"))
+    signals.rearm()  # ray.init installs a SIGTERM handler of its own
     if resume:
-        ckpt = load_checkpoint(resume)
+        ckpt = load_checkpoint(resume, fallback=resume_fallback)
         restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=run.schedulers)
         sampler.load_state_dict(ckpt.data_state["sampler"])
         compiled.step_count = run.start = int(ckpt.step)
@@ -118,18 +128,27 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
         return states.pop(k) if k in states else sampler.state_dict()
 
+    interrupted = False
     try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
         run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
+        signals.rearm()
         pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
                             max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
                             progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
         compiled.call_blocking(run.loop, pipeline, data_position)
+    except KeyboardInterrupt:  # SIGINT/SIGTERM (materl.runtime.signals): stop now, keep the last checkpoint
+        interrupted = True
+        raise
     finally:
-        run.logger.close()
+        run.logger.close(plot=not interrupted)
         if run.ranks is not None:
             run.ranks.shutdown()
         if workers:
             compiled.call_blocking(_close_workers, rollout_workers)
+        if not ray_before and _ray_running():
+            import ray
+
+            ray.shutdown()  # the local cluster (or the connection) this call started
     return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
             "run_dir": str(run_dir)}
 
@@ -239,6 +258,10 @@ def learner_side(compiled, ranks: int, *, strategy: str, ray_address: str | None
     return RankedLearner(compiled, ranks, strategy=strategy)
 
 
+def _ray_running() -> bool:
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
 async def _close_workers(workers) -> None:
     for w in workers:
         await w.aclose()
@@ -266,7 +289,7 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
         result = train(compiled, train_rows, steps=t.steps, batch_size=t.batch_size,
                        eval_dataset=(test_rows[: t.eval_size] if t.eval_size else test_rows) or None,
                        eval_every=t.eval_every, save_every=t.save_every, keep_last=t.keep_last, run_dir=t.run_dir,
-                       resume=resume, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
+                       resume=resume, resume_fallback=t.resume_fallback, lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, seed=t.seed,
                        progress=cfg.logging.progress, samples_every=cfg.logging.samples_every,
                        tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
                        config=config_to_dict(cfg), workers=cfg.distributed.workers,

@@ -50,3 +50,31 @@ def test_a_compiled_step_left_open_does_not_hang_interpreter_exit():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().endswith("ran")
+
+
+def test_cancel_runs_the_tasks_cleanup_before_the_future_is_done():
+    import asyncio
+    from concurrent.futures import CancelledError
+
+    import pytest
+
+    cleaned: list[str] = []
+    started = threading.Event()
+
+    async def forever():
+        try:
+            started.set()
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.1)  # an async clean-up (e.g. closing a tool server) that takes a while
+            cleaned.append("done")
+
+    loop = LoopThread("materl-test-loop-cancel")
+    future = loop.submit(forever)
+    assert started.wait(10)
+    loop.cancel(future)
+    with pytest.raises(CancelledError):
+        future.result(timeout=10)
+    assert cleaned == ["done"]  # the future was done only after the finally block ran
+    assert loop.call(_add, 1, 2) == 3  # and the loop still serves
+    loop.close()

@@ -17,9 +17,11 @@ import torch
 
 from materl.agent import Agent
 from materl.errors import ConfigError
+import materl.runtime.checkpoint as ck
 from materl.runtime.checkpoint import (
     load_checkpoint, resolve_checkpoint, restore, save_checkpoint,
 )
+from materl.runtime.manifest import write_manifest
 from materl.runtime.config import validate_config
 
 IDS = torch.tensor([[257, 72, 105, 33, 258]])  # "<|im_start|>Hi!<|im_end|>" in the byte tokenizer
@@ -149,6 +151,7 @@ def test_optimizer_state_loads_weights_only(tmp_path):
     agents, opts = tiny_agents()
     path = save_checkpoint(tmp_path, 1, agents=agents, optimizers=opts)
     torch.save({"state": {}, "param_groups": [], "evil": Evil()}, path / "optim" / "policy.pt")
+    write_manifest(path, ck._write_text)  # whoever planted the file can rewrite the manifest too
     with pytest.raises(pickle.UnpicklingError):
         restore(load_checkpoint(tmp_path), agents=agents, optimizers=opts)
 
@@ -203,3 +206,56 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path):
     agents, opts = tiny_agents()
     save_checkpoint(tmp_path / "run", 3, agents=agents, optimizers=opts)
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_manifest_lists_every_file_with_its_sha256(tmp_path):
+    import hashlib
+    import json
+
+    agents, opts = tiny_agents()
+    path = save_checkpoint(tmp_path, 1, agents=agents, optimizers=opts, config={"a": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(manifest["files"]) == files and "state.json" in files and "rng.pt" in files
+    for rel, entry in manifest["files"].items():
+        data = (path / rel).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def test_a_format_1_checkpoint_loads_with_a_warning(tmp_path):
+    import json
+
+    agents, opts = tiny_agents()
+    path = save_checkpoint(tmp_path, 1, agents=agents, optimizers=opts)
+    (path / "manifest.json").unlink()  # what materl wrote before manifests
+    state = json.loads((path / "state.json").read_text())
+    (path / "state.json").write_text(json.dumps({**state, "format": 1}))
+    with pytest.warns(ck.CheckpointWarning, match="has no manifest.json .*cannot be verified"):
+        assert load_checkpoint(tmp_path).step == 1
+
+
+def test_pruning_leaves_no_step_folder_half_deleted(tmp_path):
+    agents, opts = tiny_agents()
+    root = tmp_path / "checkpoints"
+    save_checkpoint(tmp_path, 1, agents=agents, optimizers=opts, keep_last=1)
+    # a prune that was killed mid-delete: renamed out of step-* first, so never taken for a checkpoint
+    os.rename(save_checkpoint(tmp_path, 2, agents=agents, optimizers=opts, keep_last=2),
+              root / ".tmp-pruned-step-000002-999999999-deadbeef")
+    assert resolve_checkpoint(tmp_path).name == "step-000001"
+    save_checkpoint(tmp_path, 3, agents=agents, optimizers=opts, keep_last=1)  # removes it (its pid is gone)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000003"]
+
+
+def test_a_full_device_is_reported_as_a_full_disk_naming_the_file():
+    """/dev/full fails every write with ENOSPC, for real; torch reports it as 'unexpected pos ...'
+    (the OSError only its context), and the checkpoint writer turns it back into that OSError
+    with the file's name. (A full tmpfs during a whole run: tests/faults/test_checkpoints.py.)"""
+    import errno
+    import stat
+    from pathlib import Path
+
+    if not os.path.exists("/dev/full") or not stat.S_ISCHR(os.stat("/dev/full").st_mode):
+        pytest.skip("no /dev/full character device here")
+    with pytest.raises(OSError) as caught:
+        ck._torch_save({"x": torch.zeros(100_000)}, Path("/dev/full"))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename == "/dev/full"
