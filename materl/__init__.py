@@ -30,7 +30,7 @@ _EXPORTS = {
         "logprobs", "policy_loss", "ppo_loss", "reinforce_loss", "reward", "sapo_loss", "set_loss",
         "structure_rollout", "value_loss", "values",
     ],
-    "materl.graph.agents": ["agent_episodes"],
+    "materl.graph.agents": ["agent_episodes", "judge"],
     "materl.compiler.compiled": ["Compiled", "compile"],
     "materl.agent": ["Agent"],
     "materl.rollout.mcp": ["MCPServer", "PythonTools", "Toolbox", "mcp_tools"],

@@ -2,11 +2,12 @@
 ``SPECS`` of each module go into ``materl.compiler.spec.OPS``). A new op kind is a module with
 its ``OpSpec`` (role, outputs, implementations and their rules), one entry below, and a test."""
 
-from materl.compiler.kinds import advantages, agents, custom, forward, losses, rewards, rollout, turn_advantages
+from materl.compiler.kinds import advantages, agents, custom, forward, judge, losses, rewards, rollout, turn_advantages
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
-         *turn_advantages.SPECS, *agents.SPECS)
+         *turn_advantages.SPECS, *agents.SPECS,
+         *judge.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)
