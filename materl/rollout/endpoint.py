@@ -19,7 +19,9 @@ Sampling settings are the recipe's (temperature, top-p/k, the per-request seed):
 importance ratios assume the distribution the tokens were sampled from, so a request's
 ``temperature``/``top_p``/``seed`` do not change them. ``max_tokens``/``max_completion_tokens`` cap the
 turn below the recipe's ``max_new_tokens`` and ``stop`` adds stop strings. ``n`` other than 1
-and ``logprobs`` requests are refused (400). The server binds 127.0.0.1 only.
+and ``logprobs`` requests are refused (400). Fields that constrain decoding (``tool_choice``,
+``response_format``, ``logit_bias``) are not enforced: the answer is what the policy samples.
+The server binds 127.0.0.1 only.
 (AReaL's proxy server, prime-rl's interception server and ART's client play this part.)
 """
 
