@@ -32,16 +32,13 @@ def task_of(ep: Episode) -> dict:
 
 
 async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
-    import openai
-
     agent, endpoint = run.agent(node), node.params["endpoint"]
     if not endpoint.started:  # started with the step's toolboxes; here when a caller runs the stage alone
         await endpoint.start()
     session = AgentSession(agent.engine, agent.tokenizer, lambda k: sampling(run, node, ep.seed, k),
                            parser=node.params.get("parser", "auto"), model=agent.name)
     key = endpoint.open(ep.uid, session)
-    client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=key, max_retries=0,
-                                timeout=run.options.episode_timeout_s)
+    client = endpoint.client(key, timeout_s=run.options.episode_timeout_s)
     try:
         result = node.params["agent"](client, task_of(ep))
         if inspect.isawaitable(result):
