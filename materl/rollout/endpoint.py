@@ -110,8 +110,10 @@ class AgentEndpoint:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((HOST, 0))
         self.port = sock.getsockname()[1]
+        # idle keep-alive connections stay open: the episodes' shared pool reuses them, and a
+        # server closing one as a client sends on it is a failed request (clients do not retry)
         config = uvicorn.Config(self.app(), lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, timeout_keep_alive=3600)
         self._server = uvicorn.Server(config)
         self._task = asyncio.get_running_loop().create_task(self._serve(sock))
         while not self._server.started:
