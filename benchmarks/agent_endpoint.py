@@ -14,7 +14,7 @@ identical; the log-probs may differ in the last bits (engine batches form differ
 median over ``--rounds`` alternating rounds. Goal: endpoint / generate_step <= 1.15.
 
 Judge overlap: full training steps of the endpoint recipe, rewarded by an exact check, with and
-without ``ml.judge`` against a judge server that answers after 200 ms
+without (alternating rounds) ``ml.judge`` against a judge server that answers after 200 ms
 (``benchmarks/_servers/slow_judge.py``, a separate process). Goal: the judge adds <= 10%.
 
     OMP_NUM_THREADS=1 python benchmarks/agent_endpoint.py [--rounds 5] [--judge-latency 0.2]
@@ -131,30 +131,31 @@ async def endpoint_vs_generate_step(args) -> None:
 
 
 def judge_overlap(args) -> None:
+    """Alternating rounds of two compiled steps (no judge, judge) on one judge server."""
     server = subprocess.Popen([sys.executable, str(JUDGE), "--latency", str(args.judge_latency)],
                               stdout=subprocess.PIPE, text=True)
+    steps = {}
     try:
         url = server.stdout.readline().strip()
-        walls: dict[str, list[float]] = {}
         for name, judge_url in (("no judge", None), ("judge", url)):
-            step = ml.compile(endpoint_recipe(judge_url), policy=ml.Agent("tiny-random", trainable=True), group_size=4,
-                              max_new_tokens=args.max_new_tokens, lr=1e-4, seed=0)
-            try:
-                step.run(prompts=PROMPTS)  # warm-up
-                walls[name] = []
-                for _ in range(args.rounds):
-                    t0 = time.perf_counter()
-                    m = step.run(prompts=PROMPTS)
-                    walls[name].append(time.perf_counter() - t0)
-                    assert m["failed_episodes"] == 0, m
-            finally:
-                step.close()
+            steps[name] = ml.compile(endpoint_recipe(judge_url), policy=ml.Agent("tiny-random", trainable=True),
+                                     group_size=4, max_new_tokens=args.max_new_tokens, lr=1e-4, seed=0)
+            steps[name].run(prompts=PROMPTS)  # warm-up
+        walls: dict[str, list[float]] = {name: [] for name in steps}
+        for r in range(args.rounds):
+            for name in list(steps)[:: 1 if r % 2 == 0 else -1]:
+                t0 = time.perf_counter()
+                m = steps[name].run(prompts=PROMPTS)
+                walls[name].append(time.perf_counter() - t0)
+                assert m["failed_episodes"] == 0, m
     finally:
+        for step in steps.values():
+            step.close()
         server.kill()
         server.wait()
     a, b = statistics.median(walls["no judge"]), statistics.median(walls["judge"])
     print(f"training step, 64 endpoint episodes, judge latency {args.judge_latency * 1000:.0f} ms, "
-          f"median of {args.rounds}")
+          f"median of {args.rounds} alternating rounds")
     print(f"  no judge   {a:7.3f} s   (all: {', '.join(f'{w:.3f}' for w in walls['no judge'])})")
     print(f"  judge      {b:7.3f} s   (all: {', '.join(f'{w:.3f}' for w in walls['judge'])})")
     print(f"  judge / no judge = {b / a:.3f}x   (goal <= 1.10)")

@@ -12,7 +12,7 @@ from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 
 def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: str = "auto",
                    max_new_tokens: int | None = None, temperature: float | None = None,
-                   greedy: bool | None = None) -> Value:
+                   greedy: bool | None = None, request_reward=None) -> Value:
     """Run ``agent`` (``async def my_agent(client, task) -> result``) once per episode, where
     ``client`` is an ``openai.AsyncOpenAI`` pointed at a local endpoint (127.0.0.1, one API key
     per episode) that ``policy`` serves, and ``task`` is the dataset row (``{"prompt": ...,
@@ -20,17 +20,24 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
     of every request, prompts and tool results untrained, the agent's return value in
     ``.metadata["result"]``. ``parser``: the tool-call format of the answers (``"auto"``: the one
     the chat template declares). ``max_new_tokens``/``temperature``: per request (default: the
-    compile options'); ``greedy=True`` decodes greedily. See ``materl.compiler.kinds.agents``."""
+    compile options'); ``greedy=True`` decodes greedily. ``request_reward``: ``fn(*, messages,
+    reply, task) -> float | None`` (sync or async), called per answered request once the episode
+    ends; a number is that request's step reward, on the last token it sampled (score it with
+    ``ml.reward("step_rewards", rollout=...)``). See ``materl.compiler.kinds.agents``."""
     if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
         raise RecipeError(f"ml.agent_episodes(agent=...) needs an async function (client, task) -> result, "
                           f"got {agent!r}")
+    if request_reward is not None and not callable(request_reward):
+        raise RecipeError(f"ml.agent_episodes(request_reward=...) needs a function (messages, reply, task) -> "
+                          f"float | None, got {request_reward!r}")
     from materl.rollout.endpoint import AgentEndpoint
 
     b = active_builder("ml.agent_episodes")
     a = b.agent(policy, "ml.agent_episodes")
     params = {"agent": agent, "endpoint": AgentEndpoint(), "parser": parser,
               **{k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
-                                                          ("greedy", greedy)) if v is not None}}
+                                                          ("greedy", greedy), ("request_reward", request_reward))
+                 if v is not None}}
     return b.add("agent_episodes", [a, prompts], params, scope="episode", name=name, default_name="rollout",
                  fixed_scope=True)
 

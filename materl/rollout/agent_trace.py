@@ -4,7 +4,7 @@ as exact token ids.
     trace = AgentTrace(tokenizer)
     state = trace.context(messages, tools)              # the ids the engine continues
     result = await model_turn(engine, tokenizer, state, params)
-    reply = trace.record(result)                        # the OpenAI assistant message to answer
+    reply = trace.record(result, messages)              # the OpenAI assistant message to answer
     rollout = trace.rollout()
 
 A request whose messages extend the previous one (its messages, then the assistant message as
@@ -69,7 +69,7 @@ def normalized(message: dict) -> tuple:
     """What must be equal for a message to count as unchanged: role, text (stripped), tool calls
     (name and arguments, not their ids) and the id a tool result answers."""
     return (message.get("role"), message_text(message.get("content")).strip(), _calls(message),
-            message.get("tool_call_id") or "", message.get("name") or "" if message.get("role") == "tool" else "")
+            message.get("tool_call_id") or "", message.get("name") or "")
 
 
 def chat_message(message: dict) -> dict:
@@ -99,6 +99,7 @@ class AgentTrace:
         self.expected: list[tuple] = []  # normalized messages a continuing request starts with
         self.tools: list[dict] | None = None
         self.requests = 0
+        self.log: list[tuple[list[dict], dict]] = []  # each answered request's messages and the reply
         self._pending: tuple = ([], None, True)
 
     def context(self, messages: list[dict], tools: list[dict] | None) -> EpisodeState:
@@ -115,7 +116,7 @@ class AgentTrace:
             state = append_turn(self.tokenizer, self.state, new, results=self._tool_results(new))
         else:
             state = EpisodeState.start(self.tokenizer, [chat_message(m) for m in messages], tools=tools)
-        self._pending = (seen, tools, state is not self.state and not state.steps)
+        self._pending = (seen, tools, not state.steps)  # a new segment has no steps yet
         return state
 
     def _tool_results(self, new: list[dict]) -> list[ToolResult]:
@@ -124,9 +125,9 @@ class AgentTrace:
         return [ToolResult(name=m.get("name") or calls.get(m.get("tool_call_id", ""), "tool"), content=m["content"],
                            call_id=m.get("tool_call_id", "")) for m in new if m["role"] == "tool"]
 
-    def record(self, result: StepResult) -> dict:
-        """Keep a sampled turn (ids, log-probs, parsed calls) and return it as the OpenAI assistant
-        message; calls without an id get ``call_<request>_<i>``."""
+    def record(self, result: StepResult, messages: list[dict]) -> dict:
+        """Keep a sampled turn (ids, log-probs, parsed calls) answering ``messages`` and return it
+        as the OpenAI assistant message; calls without an id get ``call_<request>_<i>``."""
         step, message = result.step, dict(result.history.messages[-1])
         calls = [c if c.id else replace(c, id=f"call_{self.requests}_{i}") for i, c in enumerate(step.tool_calls)]
         step = replace(step, tool_calls=calls, metadata={**step.metadata, "request": self.requests})
@@ -144,12 +145,21 @@ class AgentTrace:
         state = result.history
         self.state = replace(state, messages=state.messages[:-1] + [message], steps=state.steps[:-1] + [step])
         self.expected, self.tools = seen + [normalized(reply)], tools
+        self.log.append((messages, reply))
         self.requests += 1
         return reply
 
     @property
     def num_segments(self) -> int:
         return len(self.done) + (self.state is not None)
+
+    def generate_step(self, request: int):
+        """The generate Step that answered request ``request`` (in whichever segment)."""
+        for seg in self.done + [self.state.to_rollout()] if self.state is not None else self.done:
+            for step in seg.steps:
+                if step.kind == "generate" and step.metadata.get("request") == request:
+                    return step
+        raise EpisodeError(f"no generate step answered request {request}")
 
     def rollout(self) -> Rollout:
         """The last segment's Rollout, with all segments in ``metadata["segments"]``."""

@@ -3,10 +3,12 @@ a model through the OpenAI API (``ml.agent_episodes``).
 
     endpoint = AgentEndpoint()
     await endpoint.start()                                   # 127.0.0.1, an ephemeral port
-    key = endpoint.open(episode_uid, AgentSession(engine, tokenizer, sampling_of_request))
+    session = AgentSession(engine, tokenizer, sampling_of_request)
+    key = endpoint.open(episode_uid, session)
     client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=key)
     ...                                                      # the agent runs
-    rollout = endpoint.close(key).trace.rollout()
+    endpoint.close(key)
+    rollout = session.trace.rollout()
 
 Routes: ``GET /v1/models`` and ``POST /v1/chat/completions`` (``tools=`` rendered by the model's
 chat template; ``tool_calls`` parsed from the sampled text by materl's parser for the model's
@@ -160,8 +162,8 @@ class AgentEndpoint:
         self._by_episode.setdefault(episode_uid, []).append(key)
         return key
 
-    def close(self, key: str) -> AgentSession:
-        return self.sessions.pop(key)
+    def close(self, key: str) -> None:
+        self.sessions.pop(key, None)
 
     async def end_episode(self, episode_uid: str) -> None:
         """The episode ended (finished, failed or timed out): its keys stop working."""
@@ -226,7 +228,7 @@ class AgentEndpoint:
                          stop_strings=tuple(params.stop_strings) + ((stop,) if isinstance(stop, str) else tuple(stop)))
         state = session.trace.context(messages, tools)
         result = await model_turn(session.engine, session.tokenizer, state, params, parser=session.parser)
-        reply = session.trace.record(result)
+        reply = session.trace.record(result, messages)
         n_out = len(result.step.token_ids)
         usage = {"prompt_tokens": len(state.ids), "completion_tokens": n_out, "total_tokens": len(state.ids) + n_out}
         finish = "tool_calls" if reply.get("tool_calls") else "length" if n_out >= params.max_new_tokens else "stop"

@@ -108,3 +108,28 @@ def test_agent_must_be_an_async_function():
 
     with pytest.raises(RecipeError, match="needs an async function"):
         agent_recipe(sync_agent)
+
+
+async def test_request_rewards_land_on_the_last_token_of_the_request_they_score():
+    async def two_requests(client, task):
+        messages = [{"role": "user", "content": task["prompt"]}]
+        first = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "more"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+
+    def per_request(*, messages, reply, task):
+        # request 0 answers 1 message, request 1 answers 3: 0.5 for the first, none for the second
+        return 0.5 if len(messages) == 1 else None
+
+    @ml.recipe
+    def stepwise(policy, prompts):
+        rollout = ml.agent_episodes(policy, prompts, agent=two_requests, request_reward=per_request, name="rollout")
+        ml.reward("step_rewards", rollout=rollout)
+
+    (ep, _) = await rollout(stepwise, ["x"])
+    r = ep.values["rollout"]
+    first_end = len(r.steps[0].token_ids) - 1
+    expected = [0.0] * len(r.completion_ids)
+    expected[first_end] = 0.5  # on the last token request 0 sampled
+    assert [s.reward for s in r.steps] == [0.5, None, None]
+    assert ep.values["rewards"].tolist() == expected

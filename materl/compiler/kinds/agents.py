@@ -9,7 +9,8 @@ requests are sampled by the policy's engine (any engine: through ``model_turn``,
 ``generate_step``) with the episode's seed schedule (request k samples with the seed of turn k).
 Its value is the Rollout of the requests' exact token ids (``AgentTrace``), with the agent's
 return value in ``rollout.metadata["result"]``; rewards, advantages and the learner take it like
-``structure_rollout``'s. An agent that raises, sends a request the endpoint refuses, or runs past
+``structure_rollout``'s; ``request_reward=`` scores each request (a step reward on its last
+token, read by ``ml.reward("step_rewards")``). An agent that raises, sends a request the endpoint refuses, or runs past
 ``episode_timeout_s`` fails its own episode, with the error recorded.
 """
 
@@ -51,9 +52,22 @@ async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
                            f"first: {session.errors[0]}")
     rollout = session.trace.rollout()
     rollout.metadata["result"] = result
+    if node.params.get("request_reward") is not None:
+        await _request_rewards(node.params["request_reward"], session.trace, task_of(ep))
     ep.metrics["agent/segments"] = float(rollout.metadata["num_segments"])  # 1 unless the agent rewrote history
     ep.metrics["agent/requests"] = float(rollout.metadata["requests"])
     return rollout
+
+
+async def _request_rewards(fn, trace, task: dict) -> None:
+    """``fn(messages=, reply=, task=)`` per answered request: a number becomes that request's
+    step reward (``Step.reward``, placed on its last token by ``ml.reward("step_rewards")``)."""
+    for k, (messages, reply) in enumerate(trace.log):
+        value = fn(messages=messages, reply=reply, task=task)
+        if inspect.isawaitable(value):
+            value = await value
+        if value is not None:
+            trace.generate_step(k).reward = float(value)
 
 
 def _name(node: Node) -> str:
