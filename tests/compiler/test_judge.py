@@ -124,7 +124,7 @@ async def test_an_http_judge_answering_gibberish_or_not_listening_fails_the_epis
     # the same URL once its server is gone: the connection is refused, retried, then reported
     episodes = await rollout(judged(endpoint.base_url, api_key=key, retries=1, timeout_s=5, relative=True))
     assert {(ep.error.node, ep.error.kind) for ep in episodes} == {("judge", "RewardError")}
-    assert all("APIConnectionError" in ep.error.message and "2 attempt(s)" in ep.error.message for ep in episodes)
+    assert all("ConnectError" in ep.error.message and "2 attempt(s)" in ep.error.message for ep in episodes)
 
 
 def test_bad_judge_settings_are_refused():
