@@ -30,6 +30,7 @@ _EXPORTS = {
         "logprobs", "policy_loss", "ppo_loss", "reinforce_loss", "reward", "sapo_loss", "set_loss",
         "structure_rollout", "value_loss", "values",
     ],
+    "materl.graph.agents": ["agent_episodes", "judge"],
     "materl.compiler.compiled": ["Compiled", "compile"],
     "materl.compiler.kinds.turn_advantages": ["turn_advantages"],
     "materl.compiler.kinds.gigpo_advantages": ["gigpo_advantages"],

@@ -125,12 +125,17 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
 
 
 def plan_toolboxes(plan) -> list:
-    """The Toolboxes a plan's nodes hold (``tools=`` of generate_step and call_tools nodes)."""
+    """The services a plan's nodes hold, started before episodes run and told when each ends:
+    Toolboxes (``tools=`` of generate_step and call_tools nodes) and agent endpoints (the
+    ``endpoint`` of agent_episodes nodes, ``materl.rollout.endpoint``)."""
     found = []
     for node in plan.nodes.values():
         tb = node.params.get("tools")
         if hasattr(tb, "start") and hasattr(tb, "execute") and tb not in found:
             found.append(tb)
+        endpoint = node.params.get("endpoint")
+        if endpoint is not None and endpoint not in found:
+            found.append(endpoint)
     return found
 
 

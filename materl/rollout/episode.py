@@ -255,6 +255,14 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
         results = _as_results(tool_responses, [c for c in calls if c.error is None])
         results = [error_result(c) for c in calls if c.error is not None] + results
         state = append_tool_results(tokenizer, state, results, max_output_tokens=max_tool_output_tokens)
+    return await model_turn(engine, tokenizer, state, params, parser=parser)
+
+
+async def model_turn(engine, tokenizer, state: EpisodeState, params: SamplingParams, *,
+                     parser: str = "auto") -> StepResult:
+    """Sample the model's turn after ``state`` (exact ids) and parse its tool calls with
+    ``parser``; the episode is done when the turn makes no call or hits its token limit.
+    ``generate_step`` and the OpenAI-compatible endpoint (``rollout/endpoint.py``) sample here."""
     fmt = choose_format(tokenizer, parser)
     params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(fmt.stop_strings))
     sampled = await sample_turn(engine, tokenizer, state.ids, params)

@@ -4,9 +4,11 @@ its ``OpSpec`` (role, outputs, implementations and their rules), one entry below
 
 from materl.compiler.kinds import (
     advantages,
+    agents,
     custom,
     forward,
     gigpo_advantages,
+    judge,
     losses,
     rewards,
     rollout,
@@ -15,7 +17,7 @@ from materl.compiler.kinds import (
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
-         *turn_advantages.SPECS, *gigpo_advantages.SPECS)
+         *turn_advantages.SPECS, *gigpo_advantages.SPECS, *agents.SPECS, *judge.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)

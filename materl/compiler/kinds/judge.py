@@ -1,0 +1,61 @@
+"""The judge op kind: an LLM judge's score per episode (``ml.judge``; ``materl.rollout.judge``).
+
+Absolute judging is episode-scope: each episode awaits its own judge call as soon as its rollout
+exists, while other episodes still generate (the judge's latency overlaps the rollout, bounded
+by the judge's semaphore). Relative judging (RULER) is group-scope: a group's episodes go to the
+judge in one call once the group is done. A judge failure fails the episode (absolute) or the
+group's episodes (relative), with the judge's error recorded.
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from materl.compiler.context import Run
+from materl.compiler.episode import Episode, as_rollout
+from materl.compiler.kinds.rewards import prompt_text
+from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
+from materl.graph.node import Node
+
+
+async def judge_episode(run: Run, node: Node, ep: Episode, rollout) -> float:
+    return await node.params["judge"].score(prompt_text(ep.prompt), as_rollout(rollout))
+
+
+async def judge_groups(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
+    """One judge call per group (concurrently), scores back in the episodes' order."""
+    judge, rollouts = node.params["judge"], [as_rollout(x) for x in inputs[0]]
+    groups: dict[int, list[int]] = {}
+    for i, ep in enumerate(eps):
+        groups.setdefault(ep.group, []).append(i)
+    scores: list[float] = [0.0] * len(eps)
+    errors: list[Exception] = []
+
+    async def one(members: list[int]) -> None:
+        try:
+            ranked = await judge.rank(prompt_text(eps[members[0]].prompt), [rollouts[i] for i in members])
+        except Exception as exc:  # noqa: BLE001 - raised below as itself, not as an ExceptionGroup
+            errors.append(exc)
+            return
+        for i, s in zip(members, ranked):
+            scores[i] = s
+
+    async with anyio.create_task_group() as tg:
+        for members in groups.values():
+            tg.start_soon(one, members)
+    if errors:  # the scheduler then judges group by group, so only the failing groups fail
+        raise errors[0]
+    return scores
+
+
+def _relative(node: Node) -> bool:
+    return bool(node.params.get("relative"))
+
+
+SPECS = (
+    OpSpec("judge", Role.SCORE, (Output("score", Kind.ROW),), (
+        Impl("absolute", episode=judge_episode, when=lambda n, o: NOT_FOR if _relative(n) else None),
+        Impl("relative", batch=judge_groups, when=lambda n, o: None if _relative(n) else NOT_FOR),
+    ), locality=lambda n: "group" if _relative(n) else "episode",
+        doc="an LLM judge's score per episode against a rubric (relative: a group in one call)"),
+)

@@ -1,0 +1,74 @@
+"""Recipe constructors for existing agent code and model judges: ``ml.agent_episodes`` (the
+agent's episodes through an OpenAI-compatible endpoint served by the policy) and ``ml.judge``
+(an LLM-judge reward term)."""
+
+from __future__ import annotations
+
+import inspect
+
+from materl.errors import RecipeError
+from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
+
+
+def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: str = "auto",
+                   max_new_tokens: int | None = None, temperature: float | None = None,
+                   greedy: bool | None = None, request_reward=None) -> Value:
+    """Run ``agent`` (``async def my_agent(client, task) -> result``) once per episode, where
+    ``client`` is an ``openai.AsyncOpenAI`` pointed at a local endpoint (127.0.0.1, one API key
+    per episode) that ``policy`` serves, and ``task`` is the dataset row (``{"prompt": ...,
+    **columns}``). The value is the episode's Rollout: the exact token ids and sampling log-probs
+    of every request, prompts and tool results untrained, the agent's return value in
+    ``.metadata["result"]``. ``parser``: the tool-call format of the answers (``"auto"``: the one
+    the chat template declares). ``max_new_tokens``/``temperature``: per request (default: the
+    compile options'); ``greedy=True`` decodes greedily. ``request_reward``: ``fn(*, messages,
+    reply, task) -> float | None`` (sync or async), called per answered request once the episode
+    ends; a number is that request's step reward, on the last token it sampled (score it with
+    ``ml.reward("step_rewards", rollout=...)``). See ``materl.compiler.kinds.agents``."""
+    if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
+        raise RecipeError(f"ml.agent_episodes(agent=...) needs an async function (client, task) -> result, "
+                          f"got {agent!r}")
+    if request_reward is not None and not callable(request_reward):
+        raise RecipeError(f"ml.agent_episodes(request_reward=...) needs a function (messages, reply, task) -> "
+                          f"float | None, got {request_reward!r}")
+    from materl.rollout.endpoint import AgentEndpoint
+
+    b = active_builder("ml.agent_episodes")
+    a = b.agent(policy, "ml.agent_episodes")
+    params = {"agent": agent, "endpoint": AgentEndpoint(), "parser": parser,
+              **{k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
+                                                          ("greedy", greedy), ("request_reward", request_reward))
+                 if v is not None}}
+    return b.add("agent_episodes", [a, prompts], params, scope="episode", name=name, default_name="rollout",
+                 fixed_scope=True)
+
+
+def judge(rubric: str, *, model, rollout=None, relative: bool = False, weight: float = 1.0, name: str | None = None,
+          parse=None, api_key: str | None = None, model_name: str = "judge", max_concurrency: int = 8,
+          timeout_s: float = 60.0, retries: int = 2, max_new_tokens: int = 256,
+          temperature: float = 0.0) -> RewardExpr:
+    """A reward term scored by an LLM judge against ``rubric``: ``model`` is a materl ``Agent``
+    (in process) or an OpenAI-compatible base URL (``model_name``/``api_key`` for its requests).
+    Each episode's rollout (default: the recipe's latest) is judged as soon as it exists, while
+    other episodes still generate; ``relative=True`` judges a group's episodes in one call,
+    scored against each other (ART's RULER). ``parse``: ``text -> float`` (``text, n ->
+    list[float]`` when relative) instead of reading ``Score: x`` lines. Calls are bounded by
+    ``max_concurrency``, each attempt by ``timeout_s``, retried ``retries`` times; a judge that
+    still fails or answers unparseably fails the episode with its error. Compose with ``+``:
+    ``ml.judge(...) + ml.reward(exact_answer)``. See ``materl.rollout.judge``."""
+    from materl.rollout.judge import Judge
+
+    if not isinstance(rubric, str) or not rubric.strip():
+        raise RecipeError(f"ml.judge needs a rubric (a non-empty string), got {rubric!r}")
+    if rollout is not None and not isinstance(rollout, Value):
+        raise RecipeError(f"ml.judge(rollout=...) needs a Value from the recipe, got {rollout!r}")
+    the_judge = Judge(model, rubric, api_key=api_key, model_name=model_name, parse=parse,
+                      max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
+                      max_new_tokens=max_new_tokens, temperature=temperature)
+    b = active_builder("ml.judge")
+    scored = rollout if rollout is not None else b.latest_completions("ml.judge")
+    if scored is None:
+        raise RecipeError(f"ml.judge in recipe {b.name!r} has nothing to judge: no rollout comes before it")
+    params = {"judge": the_judge, **({"relative": True} if relative else {})}
+    value = b.add("judge", [scored], params, scope="group" if relative else "episode", name=name,
+                  default_name="judge", fixed_scope=True)
+    return RewardExpr((RewardTerm(value, float(weight), name=name or value.node),))
