@@ -42,6 +42,10 @@ class ModelNotFoundError(MaterlError, FileNotFoundError):
     """A model name or path does not resolve to loadable weights."""
 
 
+class DeviceError(MaterlError, RuntimeError):
+    """A tensor is on another device than the model it feeds, or a device asked for is absent."""
+
+
 class EngineError(MaterlError, RuntimeError):
     """A generation engine failed or was misused."""
 

@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from materl import compute
+from materl.device import autocast, compute_dtype
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
@@ -107,13 +108,16 @@ class TransformersEngine:
     """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.0,
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, dtype: torch.dtype | None = None):
+        """``dtype``: what decoding computes in under ``torch.autocast`` (default: bf16 when the
+        model is on CUDA, fp32 on a CPU, where nothing changes); the weights are not cast."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
             raise ConfigError(f"batch_window_s must be >= 0, got {batch_window_s!r}")
         self.model = model
         self.tokenizer = tokenizer
+        self.dtype = compute_dtype(_device_of(model), dtype)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.stats = EngineStats()
@@ -131,7 +135,7 @@ class TransformersEngine:
 
     @classmethod
     def for_agent(cls, agent, **options) -> "TransformersEngine":
-        return cls(agent.model, agent.tokenizer, **options)
+        return cls(agent.model, agent.tokenizer, **{"dtype": agent.compute_dtype, **options})
 
     def __repr__(self) -> str:
         return (f"TransformersEngine(max_batch={self.max_batch}, batches={self.stats.batches}, "
@@ -226,7 +230,7 @@ class TransformersEngine:
             was_training = lm.training
             lm.eval()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), autocast(_device_of(lm), self.dtype):
                     gens = self._decode(lm, batch)
             finally:
                 lm.train(was_training)
@@ -295,6 +299,11 @@ class TransformersEngine:
 
 
 # --------------------------------------------------------------------------------- helpers
+
+
+def _device_of(model) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
