@@ -122,8 +122,10 @@ def completion_hidden(agent, sb: SeqBatch, *, share_prompts: bool = True) -> Ten
     same values as one forward over every full row, for fewer tokens.
     """
     sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
+    if not share_prompts:
+        return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     groups_U, owner_B = sb.prompt_group.unique(return_inverse=True)
-    if not share_prompts or len(groups_U) == len(owner_B):
+    if len(groups_U) == len(owner_B):
         return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     dev = sb.device
     first_U = torch.full_like(groups_U, len(owner_B)).scatter_reduce(
