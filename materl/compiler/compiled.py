@@ -22,6 +22,7 @@ import torch
 
 from materl import compute
 from materl.agent import Agent
+from materl.compiler import graphs
 from materl.compiler.context import AgentSpec, Mode, Run, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
@@ -46,11 +47,6 @@ def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the publ
         raise CompileError(f"ml.compile needs a recipe (from @ml.recipe or @ml.algorithm), got {type(recipe).__name__}")
     agents = {k: v for k, v in kwargs.items() if k in recipe.agents or _is_agent(v)}
     options = CompileOptions.from_kwargs(**{k: v for k, v in kwargs.items() if k not in agents})
-    if options.cuda_graphs:
-        # Not silently ignored: the captured learner step has not been built and measured yet
-        # (it needs a GPU, and none was available to develop it on).
-        raise CompileError("cuda_graphs=True: CUDA-graph replay of the learner step is not available in this "
-                           "build; compile with cuda_graphs=False (the default)")
     return Compiled(recipe, agents, options)
 
 
@@ -64,6 +60,8 @@ class Compiled:
         self.recipe = recipe
         self.agents = agents
         self.options = options
+        if options.cuda_graphs and not rollout_only:
+            graphs.check(agents)  # CompileError without CUDA: never silently eager
         self.plan = make_plan(recipe, agents, options, rollout_only=rollout_only)
         self.step_count = 0
         self.timings: dict[str, float] = {}

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from materl import compute
+from materl.compiler import graphs
 from materl.compiler.batch import LearnerBatch
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode
@@ -158,6 +159,7 @@ class Learner:
     def micro_step(self, idx: Tensor, denoms: Denominators) -> tuple[Tensor, dict]:
         """Forward the live nodes for rows ``idx`` and return the weighted loss and metrics."""
         plan = self.plan
+        graphs.step_begin(self.run.options.cuda_graphs and self.device.type == "cuda")
         env: dict[str, Tensor] = {}
         metrics: dict[str, float] = {}
 

@@ -108,7 +108,8 @@ def build_seq_batch(tokenizer, prompts: list, completions: list) -> SeqBatch:
                     torch.tensor(prompt_group))
 
 
-def _gather(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
+def gather_rows(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
+    """Rows of ``x`` (B, L[, H]) at positions ``idx`` (B, T): the states that predict each token."""
     if x_B_L_H.dim() == 2:
         return x_B_L_H.gather(1, idx_B_T)
     return x_B_L_H.gather(1, idx_B_T[..., None].expand(-1, -1, x_B_L_H.shape[-1]))
@@ -123,10 +124,10 @@ def completion_hidden(agent, sb: SeqBatch, *, share_prompts: bool = True) -> Ten
     """
     sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
     if not share_prompts:
-        return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
+        return gather_rows(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     groups_U, owner_B = sb.prompt_group.unique(return_inverse=True)
     if len(groups_U) == len(owner_B):
-        return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
+        return gather_rows(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     dev = sb.device
     first_U = torch.full_like(groups_U, len(owner_B)).scatter_reduce(
         0, owner_B, torch.arange(len(owner_B), device=dev), "amin")

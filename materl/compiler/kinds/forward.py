@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from materl.compiler.sequences import SeqBatch, completion_hidden
+from materl.compiler.graphs import graphed
+from materl.compiler.sequences import SeqBatch, completion_hidden, gather_rows
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
 from materl.ops.logprobs import token_logprobs
@@ -38,12 +39,33 @@ def forward_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool
     """Log-probs (B, T) with gradient, and with ``entropy`` the entropy as a metric (no gradient:
     with a frozen LM head the hidden-state gradient is then formed in the forward)."""
     o = learner.run.options
+    if o.cuda_graphs:
+        return _to_learner(learner, _graphed_logprobs(learner, agent, sb, temp=temp, entropy=entropy))
     with agent.autocast():  # bf16 compute over fp32 weights on CUDA; nothing on a CPU
         hidden = completion_hidden(agent, sb, share_prompts=o.share_prompts)
         weight, bias = agent.output_embedding()
         out = token_logprobs(hidden, weight, sb.completion_ids.to(hidden.device), bias=bias, temperature=temp,
                              chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
     return _to_learner(learner, out)
+
+
+def _graphed_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool):
+    """``forward_logprobs`` on static shapes through a captured graph per bucket
+    (``materl.compiler.graphs``); prompts are not shared (their prefix pass is dynamic)."""
+    o = learner.run.options
+    capture = sb.device.type == "cuda"
+
+    def make():
+        def logprobs(input_ids, attention_mask, gather_idx, completion_ids):
+            with agent.autocast():
+                hidden = gather_rows(agent.hidden_states(input_ids, attention_mask), gather_idx)
+                weight, bias = agent.output_embedding()
+                return token_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temp,
+                                      chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
+        return logprobs
+
+    fn = graphed(agent.model, ("logprobs", temp, entropy, o.logprob_chunk_size), make, capture=capture)
+    return fn(sb.input_ids, sb.attention_mask, sb.gather_idx, sb.completion_ids)
 
 
 def forward_values(learner, agent, sb: SeqBatch) -> Tensor:
