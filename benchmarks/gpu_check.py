@@ -6,8 +6,8 @@
 Sections, each timed against one overall budget (``--budget-s``, default 450 s) and each robust
 to a missing optional piece (TRL absent, a compile failing): its rows then say why, the rest runs.
 
-1. tests: ``pytest -m gpu tests`` (CUDA-only tests: captured learner step vs eager, engine on
-   CUDA, checkpoints across devices).
+1. tests: ``pytest -m gpu`` over the test files that hold gpu tests (captured learner step vs
+   eager, engine and learner on CUDA in bf16, checkpoints across devices).
 2. decode tok/s, Llama-shaped models from configs with random weights (SmolLM2-135M shape and the
    1.4B shape: hidden 1536, 28 layers, GQA 12/2, MLP 8960; vocabulary 49152), bf16, 128 new tokens,
    temperature 1, every row exactly N tokens (eos off), batch 8 and 64: HF ``generate`` eager, HF
@@ -20,8 +20,8 @@ to a missing optional piece (TRL absent, a compile failing): its rows then say w
 4. the learner step with ``cuda_graphs=True`` vs eager on the same episodes (135M shape).
 
 What the GPU machine needs beyond what it has (torch, transformers, triton, peft, accelerate,
-numpy) travels as wheels in ``.whl/`` (see docs/gpu.md):
-``pip install --no-index --no-deps .whl/*.whl`` before running this.
+numpy) travels as wheels (docs/gpu.md, "Bringing what the GPU machine lacks"); then, from the
+repository root: ``PYTHONPATH=$PWD python benchmarks/gpu_check.py``.
 """
 
 from __future__ import annotations
@@ -127,7 +127,11 @@ def sync(device: torch.device) -> None:
 # -- 1. tests -------------------------------------------------------------------------------------
 
 def run_tests(report: Report, timeout_s: float) -> None:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests", "-p", "no:cacheprovider"]
+    # only the files with gpu tests: collecting the whole suite imports extras (ray, hypothesis, ...)
+    # that the GPU machine need not have
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *files, "-p", "no:cacheprovider"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     tail = [line for line in out.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
     report.add("tests", "pytest -m gpu", f"rc {out.returncode}: {tail[0]}")
