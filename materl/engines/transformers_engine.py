@@ -49,6 +49,7 @@ from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
+from materl.engines.static_decode import StaticDecoder
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
     StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
 )
@@ -108,16 +109,21 @@ class TransformersEngine:
     """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.0,
-                 pack_weights: bool = True, dtype: torch.dtype | None = None):
+                 pack_weights: bool = True, dtype: torch.dtype | None = None, static_cache: bool | None = None):
         """``dtype``: what decoding computes in under ``torch.autocast`` (default: bf16 when the
-        model is on CUDA, fp32 on a CPU, where nothing changes); the weights are not cast."""
+        model is on CUDA, fp32 on a CPU, where nothing changes); the weights are not cast.
+        ``static_cache``: decode on static KV-cache slots, steps captured as CUDA graphs on CUDA
+        (``static_decode.py``; default: on for a model on CUDA, off on a CPU)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
             raise ConfigError(f"batch_window_s must be >= 0, got {batch_window_s!r}")
         self.model = model
         self.tokenizer = tokenizer
-        self.dtype = compute_dtype(_device_of(model), dtype)
+        device = _device_of(model)
+        self.dtype = compute_dtype(device, dtype)
+        static = device.type == "cuda" if static_cache is None else bool(static_cache)
+        self.static = StaticDecoder(capture=device.type == "cuda") if static else None
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.stats = EngineStats()
@@ -247,6 +253,8 @@ class TransformersEngine:
 
     def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
         version = self.weights_version  # weights change only between batches (both run in the compute thread)
+        if self.static is not None:
+            return self.static.decode(self, lm, batch, version)
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
         # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
