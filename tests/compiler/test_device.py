@@ -129,3 +129,58 @@ def test_learner_batch_lives_on_the_policy_device_and_is_collated_once(tiny):
 
     policy, ref = tiny(trainable=True, device="cpu"), tiny(device="cpu")
     assert learner_device({"ref_policy": ref, "policy": policy}) == torch.device("cpu")
+
+
+def test_config_and_cli_carry_device_and_dtype(tmp_path):
+    from materl.cli import build_parser
+    from materl.runtime.config import load_config
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("model: {name: tiny-random}\n")
+    args = build_parser().parse_args(["train", str(cfg_file), "--device", "cpu", "--dtype", "bfloat16",
+                                      "--set", "train.steps=1"])
+    assert args.overrides == ["model.device=cpu", "model.dtype=bfloat16", "train.steps=1"]
+    cfg = load_config(cfg_file, args.overrides)
+    assert (cfg.model.device, cfg.model.dtype) == ("cpu", "bfloat16")
+    assert build_parser().parse_args(["train", str(cfg_file)]).overrides == []  # the default list is not shared
+    with pytest.raises(ConfigError, match="model.device"):
+        load_config(cfg_file, ["model.device=gpu0"])
+    with pytest.raises(ConfigError, match="model.dtype"):
+        load_config(cfg_file, ["model.dtype=fp8"])
+
+
+@pytest.mark.gpu
+def test_grpo_step_on_cuda_in_bf16_keeps_fp32_master_weights(tiny):
+    from materl.recipes import grpo
+
+    policy, ref = tiny(trainable=True), tiny()  # device=None: cuda here
+    step = ml.compile(grpo, policy=policy, ref_policy=ref, group_size=4, max_new_tokens=8, lr=1e-3)
+    metrics = step.run(["one", "two"])
+    step.close()
+    assert policy.device.type == "cuda" and policy.compute_dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
+    state = step.optimizers["policy"].state
+    assert state and all(s["exp_avg"].dtype == torch.float32 and s["exp_avg"].device.type == "cuda"
+                         for s in state.values())
+    assert torch.isfinite(torch.tensor(metrics["loss"])) and metrics["mismatch/mean_abs"] < 0.1
+
+
+@pytest.mark.gpu
+def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(tmp_path, tiny):
+    from materl.recipes import grpo
+    from materl.runtime.checkpoint import restore, save_checkpoint
+
+    gpu, ref = tiny(trainable=True, device="cuda"), tiny(device="cuda")
+    step = ml.compile(grpo, policy=gpu, ref_policy=ref, group_size=2, max_new_tokens=4, lr=1e-3)
+    step.run(["one"])
+    step.close()
+    ckpt = save_checkpoint(tmp_path, 1, agents={"policy": gpu}, optimizers=step.optimizers)
+    cpu, ref_cpu = tiny(trainable=True, device="cpu"), tiny(device="cpu")
+    cpu_step = ml.compile(grpo, policy=cpu, ref_policy=ref_cpu, group_size=2, max_new_tokens=4, lr=1e-3)
+    restore(ckpt, agents={"policy": cpu}, optimizers=cpu_step.optimizers, rng=False)
+    for p, q in zip(cpu.parameters(), gpu.parameters()):
+        assert p.device.type == "cpu" and torch.equal(p, q.cpu())
+    back = tiny(trainable=True, device="cuda")
+    restore(save_checkpoint(tmp_path / "cpu", 1, agents={"policy": cpu}, optimizers={}), agents={"policy": back}, rng=False)
+    for p, q in zip(back.parameters(), cpu.parameters()):
+        assert p.device.type == "cuda" and torch.equal(p.cpu(), q)
