@@ -124,6 +124,7 @@ class TransformersEngine:
         self.dtype = compute_dtype(device, dtype)
         static = device.type == "cuda" if static_cache is None else bool(static_cache)
         self.static = StaticDecoder(capture=device.type == "cuda") if static else None
+        self._lowp, self._lowp_stale = None, False  # the decode copy in ``dtype`` (CUDA, bf16/fp16)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.stats = EngineStats()
@@ -180,8 +181,10 @@ class TransformersEngine:
 
     def sync_weights(self) -> None:
         """The engine decodes with the agent's own model object, so it always sees the current
-        weights; this only drops the packed decode copies of the old ones."""
+        weights; this only drops the packed decode copies of the old ones (and marks a
+        lower-precision decode copy stale: refreshed in place before the next decode)."""
         self.decode_weights.clear()
+        self._lowp_stale = True
 
     def sleep(self) -> None:
         """Free decode-only memory (the packed copies of trainable weights) while the learner
@@ -230,13 +233,13 @@ class TransformersEngine:
                 await anyio.lowlevel.checkpoint()
 
     def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
-        lm = causal_lm_of(self.model)
+        lm = self._decode_model(causal_lm_of(self.model))
         start = time.perf_counter()
         with self.model_lock, self.decode_weights.installed(lm):
             was_training = lm.training
             lm.eval()
             try:
-                with torch.no_grad(), autocast(_device_of(lm), self.dtype):
+                with torch.no_grad(), autocast(_device_of(lm), self.dtype if lm.dtype == torch.float32 else torch.float32):
                     gens = self._decode(lm, batch)
             finally:
                 lm.train(was_training)
@@ -248,6 +251,25 @@ class TransformersEngine:
         s.decode_s += elapsed
         s.largest_batch = max(s.largest_batch, len(batch))
         return gens
+
+    def _decode_model(self, lm):
+        """What decodes: ``lm`` itself, or on CUDA with a bf16/fp16 ``dtype`` over fp32 weights a
+        copy of it in ``dtype``, made once and refreshed in place after each weight change (in
+        place: captured decode graphs keep reading the same addresses). Autocast would instead cast
+        every fp32 weight on every decode step, three times the memory traffic of reading bf16."""
+        device = _device_of(lm)
+        if device.type != "cuda" or self.dtype == torch.float32 or lm.dtype != torch.float32:
+            return lm
+        if self._lowp is None:
+            import copy
+
+            self._lowp = copy.deepcopy(lm).to(self.dtype).requires_grad_(False)
+        elif self._lowp_stale:
+            with torch.no_grad():
+                for mine, theirs in zip(self._lowp.parameters(), lm.parameters(), strict=True):
+                    mine.copy_(theirs)
+        self._lowp_stale = False
+        return self._lowp
 
     # -- decode loop ------------------------------------------------------------------------
 

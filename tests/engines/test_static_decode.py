@@ -64,3 +64,19 @@ def test_static_decode_on_cuda_captured_equals_dynamic_in_fp32():
         for d, s in zip(dynamic, static):
             assert s.token_ids == d.token_ids
             torch.testing.assert_close(torch.tensor(s.logprobs), torch.tensor(d.logprobs), rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_bf16_decode_copy_follows_weight_changes_on_cuda():
+    agent = ml.Agent("tiny-random", trainable=True, engine="transformers", device="cuda")
+    engine = agent.engine
+    prompts, params = [agent.tokenizer.encode("hello")], [SamplingParams(max_new_tokens=4, seed=0)]
+    _generate(engine, prompts, params)
+    copy = engine._lowp
+    assert copy is not None and next(copy.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        agent.model.lm_head.weight.add_(1.0)
+    agent.sync_engine()
+    _generate(engine, prompts, params)
+    assert engine._lowp is copy  # refreshed in place: captured graphs keep their addresses
+    torch.testing.assert_close(copy.lm_head.weight, agent.model.lm_head.weight.to(torch.bfloat16))

@@ -53,6 +53,7 @@ def _graphed_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: boo
     """``forward_logprobs`` on static shapes through a captured graph per bucket
     (``materl.compiler.graphs``); prompts are not shared (their prefix pass is dynamic)."""
     o = learner.run.options
+    sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
     capture = sb.device.type == "cuda"
 
     def make():
