@@ -112,12 +112,21 @@ class StaticDecoder:
     def _prefill(engine, lm, slot: _Slot, prompts: list[list[int]], width: int, device) -> tuple[Tensor, Tensor]:
         """Left-padded prompts (and one-token filler rows up to the slot's size) into the cache;
         the last prompt position's logits (Bb, V) and each row's number of real tokens (Bb,)."""
-        from materl.engines.transformers_engine import _left_pad
-
         filler = [[engine.pad_id]] * (slot.tokens.shape[0] - len(prompts))
-        ids, mask = _left_pad(prompts + filler, engine.pad_id, device)
+        ids, mask = left_pad(prompts + filler, engine.pad_id, device)
         slot.mask.zero_()
         slot.mask[:, :width] = mask
         out = lm(input_ids=ids, attention_mask=slot.mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                  use_cache=True, logits_to_keep=1, **cache_kwargs(lm, slot.cache))
         return out.logits[:, -1, :], mask.sum(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
+    """(B, P) ids and mask with each prompt right-aligned (left padding)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)

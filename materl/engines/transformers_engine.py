@@ -49,7 +49,7 @@ from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
-from materl.engines.static_decode import StaticDecoder
+from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
     StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
 )
@@ -334,14 +334,3 @@ class TransformersEngine:
 def _device_of(model) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
-
-
-def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
-    """(B, P) ids and mask with each prompt right-aligned (left padding)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
