@@ -239,7 +239,8 @@ class TransformersEngine:
             was_training = lm.training
             lm.eval()
             try:
-                with torch.no_grad(), autocast(_device_of(lm), self.dtype if lm.dtype == torch.float32 else torch.float32):
+                with torch.no_grad(), autocast(_device_of(lm), self.dtype if _dtype_of(lm) == torch.float32
+                                                             else torch.float32):  # a low-precision copy: no autocast
                     gens = self._decode(lm, batch)
             finally:
                 lm.train(was_training)
@@ -258,7 +259,7 @@ class TransformersEngine:
         place: captured decode graphs keep reading the same addresses). Autocast would instead cast
         every fp32 weight on every decode step, three times the memory traffic of reading bf16."""
         device = _device_of(lm)
-        if device.type != "cuda" or self.dtype == torch.float32 or lm.dtype != torch.float32:
+        if device.type != "cuda" or self.dtype == torch.float32 or _dtype_of(lm) != torch.float32:
             return lm
         if self._lowp is None:
             import copy
@@ -334,3 +335,8 @@ class TransformersEngine:
 def _device_of(model) -> torch.device:
     param = next(model.parameters(), None)
     return param.device if param is not None else torch.device("cpu")
+
+
+def _dtype_of(model) -> torch.dtype:
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None else torch.float32
