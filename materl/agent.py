@@ -11,7 +11,15 @@
 Engines (``materl.engines.ENGINES``): "transformers" (in process, torch), "mojo" (in process, a
 Mojo forward pass; falls back to "transformers" with a ``MojoFallbackWarning`` where Mojo is
 not installed or the model is not a Llama-family decoder) and "sglang" (a server).
-``engine=None`` picks :data:`DEFAULT_ENGINE`.
+``engine=None`` picks :data:`DEFAULT_ENGINE` on a CPU and "transformers" on CUDA (the Mojo forward
+is CPU code; ``engine="mojo"`` with a CUDA device is an error).
+
+Device and precision (``materl.device``): ``device=None`` puts the model on CUDA when present,
+else the CPU; everything materl makes for this agent (engine inputs, learner batches) goes there.
+``dtype`` is the weights' dtype (fp32 by default: the master weights the optimizer updates);
+``compute_dtype`` is what forwards compute in, under ``torch.autocast`` (default bf16 on CUDA,
+fp32 on a CPU, where nothing changes). A reference or value agent may sit on another device than
+the policy; the learner moves each forward's inputs to that agent's device and its outputs back.
 
 Weights load lazily, on first use of ``.model``/``.tokenizer``/``.engine`` (so building a recipe
 with three agents costs nothing until it runs). Every Agent loads its own copy: two Agents of the
@@ -35,6 +43,7 @@ import torch
 from torch import nn
 
 from materl import compute
+from materl import device as _device
 from materl.engines import ENGINES
 from materl.engines import models as _models
 from materl.engines.base import engine_sleep
@@ -61,19 +70,27 @@ class Agent:
         name: str | None = None,
         cache_dir: str | os.PathLike | None = None,
         generation_backend: str | None = None,
+        device: str | torch.device | None = None,
+        compute_dtype: str | torch.dtype | None = None,
     ):
         """``model``: a named model (``materl.engines.models.NAMED_MODELS``), an HF-format folder,
         or an already-built ``nn.Module`` (then pass ``tokenizer=``). ``generation_backend`` is
-        another name for ``engine`` (the seed's spelling). Learning rates and other learner
-        settings are compile options (``ml.compile(..., lr=, value_lr=)``)."""
+        another name for ``engine`` (the seed's spelling). ``device``/``compute_dtype``: see the
+        module docstring. Learning rates and other learner settings are compile options
+        (``ml.compile(..., lr=, value_lr=)``)."""
         if generation_backend is not None:
             if engine is not None and engine != generation_backend:
                 raise ConfigError(f"engine={engine!r} and generation_backend={generation_backend!r} name two "
                                   f"engines; pass one of them")
             engine = generation_backend
         self.engine_explicit = engine is not None
-        engine = engine if engine is not None else DEFAULT_ENGINE
+        self._device = _device.resolve_device(device)
+        self.compute_dtype = _device.compute_dtype(self._device, compute_dtype)
+        engine = engine if engine is not None else default_engine(self._device)
         ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
+        if engine == "mojo" and self._device.type != "cpu":
+            raise ConfigError(f"engine='mojo' runs on the CPU only, but agent device is {self._device}; use "
+                              f"engine='transformers' (the default on CUDA) or device='cpu'")
         if head is not None and head not in _models.HEADS:
             raise ConfigError(f"unknown head {head!r}; valid: {', '.join(_models.HEADS)} or None")
         self.lora = _models.lora_options(lora) if lora is not None else None
@@ -112,6 +129,11 @@ class Agent:
             self._tokenizer = tokenizer
             self._adopt(model)
         return self._model
+
+    def autocast(self):
+        """The context forwards of this agent run under: ``torch.autocast`` to ``compute_dtype``
+        on its device (a no-op for fp32)."""
+        return _device.autocast(self.device, self.compute_dtype)
 
     @property
     def tokenizer(self):
@@ -162,7 +184,10 @@ class Agent:
             self._engine.sync_weights()
 
     def _adopt(self, model: nn.Module) -> None:
-        """Freeze a reference model, or make a trainable one train (LoRA: adapters only)."""
+        """Put the model on the agent's device; freeze a reference model, or make a trainable one
+        train (LoRA: adapters only)."""
+        if _model_device(model) != self._device:
+            model.to(self._device)
         if self.trainable:
             if self.lora is None:
                 model.requires_grad_(True)
@@ -244,12 +269,17 @@ class Agent:
         return [int(t) for t in ids]
 
     def to(self, device: str | torch.device) -> "Agent":
-        self.model.to(device)
+        """Move the model (and everything materl later makes for it) to ``device``."""
+        self._device = _device.resolve_device(device)
+        if self._model is not None:
+            self._model.to(self._device)
+        self._engine = None  # an engine holds device-bound state; the next use rebuilds it
         return self
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where the model's weights are (as loaded, or where ``device=``/``to`` put them)."""
+        return _model_device(self._model) if self._model is not None else self._device
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Save an HF-format folder (safetensors + config + tokenizer) that any HF loader or
@@ -272,6 +302,8 @@ class Agent:
 
     def __repr__(self) -> str:
         parts = [repr(self.name)]
+        if self._device.type != "cpu":
+            parts.append(f"device={str(self._device)!r}")
         if self.trainable:
             parts.append("trainable")
         if self.head:
@@ -281,3 +313,14 @@ class Agent:
         if self.engine_explicit and self.engine_name != "transformers":
             parts.append(f"engine={self.engine_name!r}")
         return f"Agent({', '.join(parts)})"
+
+
+def default_engine(device: torch.device) -> str:
+    """The engine of an Agent made with ``engine=None``: :data:`DEFAULT_ENGINE` on a CPU, the
+    transformers engine on CUDA (the Mojo forward is CPU code)."""
+    return DEFAULT_ENGINE if device.type == "cpu" else "transformers"
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", help="path to a YAML config (see examples/configs/)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=3 (repeatable)")
+    _placement_flags(t)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="path to a YAML config; default with --checkpoint: the config saved in the checkpoint")
     e.add_argument("--checkpoint", default=None, help="checkpoint folder or run dir (its latest)")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _placement_flags(e)
     e.set_defaults(func=cmd_eval)
 
     x = sub.add_parser("export", help="write a checkpoint's agent as a plain Hugging Face model folder")
@@ -105,6 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ----------------------------------------------------------------------------- commands
+
+
+def _placement_flags(p: argparse.ArgumentParser) -> None:
+    """``--device``/``--dtype``: the same as ``--set model.device=...``/``--set model.dtype=...``."""
+    p.add_argument("--device", dest="overrides", action=_AsOverride, key="model.device",
+                   help="cpu, cuda or cuda:N for every agent (default: cuda when present)")
+    p.add_argument("--dtype", dest="overrides", action=_AsOverride, key="model.dtype",
+                   choices=["float32", "bfloat16", "float16"],
+                   help="compute dtype (weights and optimizer state stay float32; default: bf16 on CUDA)")
+
+
+class _AsOverride(argparse.Action):
+    """A flag that appends ``key=value`` to the ``--set`` overrides (validated with them)."""
+
+    def __init__(self, *args, key: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.key = key
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        items = [*(getattr(namespace, self.dest, None) or []), f"{self.key}={value}"]  # never the shared default
+        setattr(namespace, self.dest, items)
 
 
 def cmd_train(args: argparse.Namespace) -> int:

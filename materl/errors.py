@@ -52,6 +52,10 @@ class RunNotFoundError(MaterlError, FileNotFoundError):
     """A run dir is missing, or holds no metrics.jsonl records (``materl compare``)."""
 
 
+class DeviceError(MaterlError, RuntimeError):
+    """A tensor is on another device than the model it feeds, or a device asked for is absent."""
+
+
 class EngineError(MaterlError, RuntimeError):
     """A generation engine failed or was misused."""
 

@@ -5,8 +5,9 @@
     metrics = step.run(prompts=["..."], answer=["..."])    # or: await step.arun(...)
 
 ``Compiled`` orchestrates: it plans once, and per step builds a frozen ``StepContext``, runs the
-rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``), the
-optimizer, the reference policy and the engines' weight sync. The stages themselves see only a
+rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``, which
+steps the ``Optimizers`` it is handed), the reference policies (``references``) and the engines'
+weight sync; rollout metrics are ``metrics.rollout_metrics``. The stages themselves see only a
 ``Run`` (the context and this process's agents), never this object.
 """
 
@@ -21,18 +22,20 @@ import torch
 
 from materl import compute
 from materl.agent import Agent
+from materl.compiler import graphs
 from materl.compiler.context import AgentSpec, Mode, Run, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
+from materl.compiler.metrics import rollout_metrics
+from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_state  # noqa: F401 (re-exported)
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
+from materl.compiler.references import reference_pairs, update_references
 from materl.compiler.scheduler import plan_toolboxes, rollout_stage
-from materl.compiler.spec import Kind, output_of
 from materl.errors import CompileError
 from materl.graph.node import Recipe
-from materl.ops.reference import make_reference_policy
 
 STOP_WAIT_S = 10.0  # how long an interrupted step may take to unwind before the caller goes on
 _ROLLOUTS = itertools.count()  # rollout calls in this process: part of every episode's uid
@@ -45,11 +48,6 @@ def compile(recipe: Recipe, **kwargs: Any) -> Compiled:  # noqa: A001 - the publ
         raise CompileError(f"ml.compile needs a recipe (from @ml.recipe or @ml.algorithm), got {type(recipe).__name__}")
     agents = {k: v for k, v in kwargs.items() if k in recipe.agents or _is_agent(v)}
     options = CompileOptions.from_kwargs(**{k: v for k, v in kwargs.items() if k not in agents})
-    if options.cuda_graphs:
-        # Not silently ignored: the captured learner step has not been built and measured yet
-        # (it needs a GPU, and none was available to develop it on).
-        raise CompileError("cuda_graphs=True: CUDA-graph replay of the learner step is not available in this "
-                           "build; compile with cuda_graphs=False (the default)")
     return Compiled(recipe, agents, options)
 
 
@@ -58,49 +56,13 @@ def _is_agent(x: Any) -> bool:
     return isinstance(x, Agent)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """``torch.nn.utils.clip_grad_norm_`` (same norm, same scaled gradients, bit for bit) that
-    skips the scaling pass when its coefficient clamps to 1: that pass multiplies every gradient
-    by 1.0, a read and a write of all of them (1 GB for a 135M model in fp32) for nothing."""
-    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    if float(torch.clamp(max_norm / (total + 1e-6), max=1.0)) != 1.0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
-
-
-def init_adamw_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
-    """Give each AdamW parameter the state its first ``step()`` would create (step 0, zero
-    moments; ``tests/compiler/test_optimizer_step.py`` holds it to torch's own), now. Made before
-    the first forward, the moments (twice the trainable weights) lie together, below the step's
-    memory, rather than in the holes the first backward left, which the next steps' activations
-    and gradients then cannot use whole (SmolLM2 full fine-tuning: 2557 instead of 2608 MiB peak).
-    A parameter an earlier optimizer holds is skipped: one Agent bound under two names has two
-    optimizers, and only the first steps (its ``zero_grad`` leaves the second no gradients)."""
-    seen: set[int] = set()
-    for opt in optimizers:
-        if not isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
-            continue
-        for group in opt.param_groups:
-            on_device = group["fused"] or group["capturable"]
-            scalar = torch.float32 if group["fused"] or torch.get_default_dtype() != torch.float64 else torch.float64
-            for p in group["params"]:
-                state, fresh = opt.state[p], id(p) not in seen
-                seen.add(id(p))
-                if state or not fresh:
-                    continue
-                state["step"] = (torch.zeros((), dtype=scalar, device=p.device) if on_device
-                                 else torch.tensor(0.0, dtype=scalar))
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                if group["amsgrad"]:
-                    state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
 class Compiled:
     def __init__(self, recipe: Recipe, agents: dict, options: CompileOptions, *, rollout_only: bool = False):
         self.recipe = recipe
         self.agents = agents
         self.options = options
+        if options.cuda_graphs and not rollout_only:
+            graphs.check(agents)  # CompileError without CUDA: never silently eager
         self.plan = make_plan(recipe, agents, options, rollout_only=rollout_only)
         self.step_count = 0
         self.timings: dict[str, float] = {}
@@ -109,8 +71,9 @@ class Compiled:
         self.failures = FailurePolicy(options.max_failed_fraction)
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
         self._started_tools: list = []  # toolboxes this step started (and stops on close)
-        self.optimizers = {name: self._optimizer(a) for name, a in agents.items() if a.trainable}
-        self.references = self._reference_pairs()
+        self.optimizer_set = Optimizers.for_agents(agents, options)
+        self.optimizers = self.optimizer_set.by_agent  # name -> torch optimizer (checkpoints read these)
+        self.references = reference_pairs(self.plan, agents, options)
         torch.manual_seed(options.seed)
 
     # -- public --
@@ -218,8 +181,8 @@ class Compiled:
         for agent in agents:
             agent.sleep_engine()  # the rollout stage is over: free decode-only memory
         if self.step_count == 0:
-            await compute.acall(init_adamw_state, list(self.optimizers.values()))
-        learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_step)
+            await compute.acall(self.optimizer_set.init_state)
+        learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_set)
         t0 = time.perf_counter()
         await learner.prepare()
         self.timings["stage/prepare"] = time.perf_counter() - t0
@@ -242,35 +205,8 @@ class Compiled:
         return self.options.group_size if self.plan.generates() else 1
 
     def rollout_metrics(self, episodes: list[Episode]) -> dict[str, float]:
-        ok = [e for e in episodes if e.error is None]
-        m: dict[str, float] = {
-            "episodes": float(len(episodes)), "failed_episodes": float(len(episodes) - len(ok)),
-            "filtered_episodes": float(sum(e.filtered for e in ok)),
-        }
-        reward_nodes = [n for n in self.plan.order if output_of(self.plan.nodes[n]).kind is Kind.SCORE]
-        for name in reward_nodes:
-            totals = torch.tensor([float(torch.as_tensor(e.values[name]).sum()) for e in ok if name in e.values])
-            if len(totals):
-                key = "reward" if name == reward_nodes[0] else f"reward/{name}"
-                m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
-                m[f"{key}/std"] = float(totals.std(unbiased=False))
-        comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/"))})
-        for k in comps:
-            vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
-            m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
-        rollouts = [r for r in (self.episode_rollout(e) for e in ok) if r is not None]
-        m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
-        results = [x for r in rollouts for x in r.tool_results]
-        if results or self.plan.calls_tools():  # every step of a tool recipe has both: 0 and 0 without a call
-            m["tool_calls"] = len(results) / max(1, len(rollouts))
-            m["tool_success"] = sum(not x.is_error for x in results) / len(results) if results else 0.0
-        for e in episodes:
-            for k, v in e.timings.items():
-                m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))
-        if self.timings.get("stage/rollout"):
-            m["time/rollout"] = self.timings["stage/rollout"]
         self.last_errors = [str(e.error) for e in episodes if e.error]
-        return m
+        return rollout_metrics(self.plan, episodes, self.episode_rollout, self.timings)
 
     def episode_rollout(self, ep: Episode):
         """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""
@@ -278,44 +214,11 @@ class Compiled:
         return ep.rollout(name) if name is not None and name in ep.values else None
 
     def optimizer_step(self) -> float:
-        norms = []
-        for opt in self.optimizers.values():
-            params = [p for g in opt.param_groups for p in g["params"]]
-            if self.options.max_grad_norm is not None:
-                norms.append(clip_grad_norm(params, self.options.max_grad_norm))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return max(norms, default=0.0)
-
-    def _optimizer(self, agent) -> torch.optim.Optimizer:
-        o = self.options
-        params = [p for p in agent.parameters() if p.requires_grad]
-        lr = (o.value_lr or o.lr) if getattr(agent, "head", None) == "value" else o.lr
-        if o.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=lr, weight_decay=o.weight_decay)
-        # fused: one kernel over all tensors (CPU and CUDA); 6x faster than the default
-        # per-tensor loop on a 135M model on CPU. Same update rule, float-rounding differences only.
-        fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-        return torch.optim.AdamW(params, lr=lr, betas=o.betas, weight_decay=o.weight_decay, fused=fused or None)
-
-    def _reference_pairs(self) -> list:
-        """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one."""
-        trainable = [n for n, a in self.agents.items() if a.trainable and getattr(a, "head", None) != "value"]
-        used = {a for name in self.plan.order for a in self.plan.nodes[name].agents}
-        pairs = []
-        for name, a in self.agents.items():
-            if a.trainable or not trainable or getattr(a, "head", None) == "value" or name not in used:
-                continue  # an agent no kept node reads is never loaded
-            source = "policy" if "policy" in trainable else trainable[0]
-            policy = make_reference_policy(self.options.reference, **dict(self.options.reference_options))
-            pairs.append((a, self.agents[source], policy))
-        return pairs
+        """Clip, step and zero every optimizer; the largest gradient norm (``Optimizers.step``)."""
+        return self.optimizer_set.step()
 
     def update_references(self, kl: float | None) -> None:
-        for ref, src, policy in self.references:
-            with torch.no_grad():
-                policy.update(list(ref.model.parameters()), list(src.model.parameters()), step=self.step_count,
-                              kl=kl if kl is not None else 0.0)
+        update_references(self.references, step=self.step_count, kl=kl)
 
     def __repr__(self) -> str:
         return f"<compiled {self.recipe.name}: {len(self.plan.order)} nodes, agents {', '.join(self.agents)}>"

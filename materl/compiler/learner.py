@@ -9,6 +9,10 @@ Loss aggregations get the mini-batch's global token/sequence count as their deno
 summing micro-batch losses equals the mini-batch loss exactly (gradient accumulation is exact).
 What each node does here is its implementation's ``prepare``/``learn`` (``materl.compiler.kinds``).
 
+The batch is a ``LearnerBatch`` (``batch.py``): token rows and every per-episode value the update
+reads, collated once, on the learner's device (its first trainable agent's), sliced per
+micro-batch. The optimizers are an ``OptimizerStep`` (``optimizers.Optimizers``) handed in.
+
 Which rows of a mini-batch this process computes, the denominators, how forwards through
 trainable weights run and how gradients meet are a ``Partition``: ``WholeBatch`` (one process,
 every row) by default; ``materl.distributed`` gives each rank its share of the rows, with the
@@ -26,8 +30,10 @@ import torch
 from torch import Tensor
 
 from materl import compute
+from materl.compiler import graphs
+from materl.compiler.batch import LearnerBatch
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode, collate, to_tensor
+from materl.compiler.episode import Episode
 from materl.compiler.scheduler import call_batch
 from materl.compiler.sequences import SeqBatch, build_seq_batch
 from materl.compiler.spec import Role, output_of
@@ -37,6 +43,13 @@ from materl.graph.node import Node, ref_node
 T = TypeVar("T")
 Denominators = dict[str, dict[str, float]]  # completion set -> {"tokens": n, "seqs": n}
 Micro = tuple[Tensor, float]  # (rows, weight): weight 0.0 runs the rows only to keep ranks in step
+
+
+class OptimizerStep(Protocol):
+    """What the learner steps after each mini-batch (``materl.compiler.optimizers.Optimizers``)."""
+
+    def step(self) -> float:
+        """Clip, step and zero every optimizer; the largest gradient norm."""
 
 
 class Partition(Protocol):
@@ -90,12 +103,13 @@ class WholeBatch:
 class Learner:
     """One batch of episodes through prepare and the update loop."""
 
-    def __init__(self, run: Run, episodes: list[Episode], optimizer_step: Callable[[], float], *,
+    def __init__(self, run: Run, episodes: list[Episode], optimizers: OptimizerStep, *,
                  partition: Partition | None = None):
         self.run, self.episodes, self.plan = run, episodes, run.plan
-        self.optimizer_step = optimizer_step
+        self.optimizers = optimizers
         self.partition = partition or WholeBatch()
-        self.seq: dict[tuple[str, str], SeqBatch] = {}
+        self.device = learner_device(run.agents)
+        self.batch = LearnerBatch(episodes, device=self.device, static=run.options.cuda_graphs)
         self.timings: dict[str, float] = {}
         self.updates = 0  # optimizer steps taken on this batch: 0 while the weights are the step's start
         self.batch_metrics: dict[str, float] = {}  # whole-batch metrics set by implementations, not averaged
@@ -107,12 +121,9 @@ class Learner:
     def seq_batch(self, node: Node) -> SeqBatch:
         """The (prompt, completion) rows a forward node reads, built once per batch."""
         prompts_ref, comps_ref = self.sequence_refs(node)
-        key = (prompts_ref, comps_ref)
-        if key not in self.seq:
-            agent = self.run.agent(node)
-            self.seq[key] = build_seq_batch(agent.tokenizer, [e.resolve(prompts_ref) for e in self.episodes],
-                                            [e.resolve(comps_ref) for e in self.episodes])
-        return self.seq[key]
+        tokenizer = self.run.agent(node).tokenizer
+        return self.batch.sequences((prompts_ref, comps_ref), lambda: build_seq_batch(
+            tokenizer, [e.resolve(prompts_ref) for e in self.episodes], [e.resolve(comps_ref) for e in self.episodes]))
 
     @staticmethod
     def sequence_refs(node: Node) -> tuple[str, str]:
@@ -127,7 +138,7 @@ class Learner:
         return node
 
     def width(self) -> int | None:
-        return next(iter(self.seq.values())).width if self.seq else None
+        return self.batch.width
 
     # -- prepare: once per batch, no gradient --
     async def prepare(self) -> None:
@@ -148,7 +159,7 @@ class Learner:
     def micro_step(self, idx: Tensor, denoms: Denominators) -> tuple[Tensor, dict]:
         """Forward the live nodes for rows ``idx`` and return the weighted loss and metrics."""
         plan = self.plan
-        sub = [self.episodes[i] for i in idx.tolist()]
+        graphs.step_begin(self.run.options.cuda_graphs and self.device.type == "cuda")
         env: dict[str, Tensor] = {}
         metrics: dict[str, float] = {}
 
@@ -156,9 +167,7 @@ class Learner:
             if ref_node(ref) in env:
                 return env[ref_node(ref)]
             head, *path = ref.split(".")
-            kind = output_of(plan.nodes[head], path).kind
-            values = collate([e.resolve(ref) for e in sub], kind)
-            return to_tensor(values, width=self.width()) if isinstance(values, Tensor) else values
+            return self.batch.rows(ref, output_of(plan.nodes[head], path).kind, idx)
 
         for name in plan.update:
             node = plan.nodes[name]
@@ -193,7 +202,7 @@ class Learner:
                     loss, metrics = part.forward_backward(step, weight=weight, last=k == len(micros) - 1)
                     if weight:
                         self.accumulate(sums, metrics, loss, share=len(idx) / len(rows))
-                grad_norm += self.optimizer_step()
+                grad_norm += self.optimizers.step()
                 self.updates += 1
                 count += 1
         self.padding = False
@@ -226,7 +235,7 @@ class Learner:
     def denominators(self, rows: Tensor) -> Denominators:
         """Global token and sequence counts of a mini-batch, per completion set."""
         out = {}
-        for (_, comps_ref), sb in self.seq.items():
+        for (_, comps_ref), sb in self.batch.sequence_items():
             m = sb.mask[rows]
             out[comps_ref] = {"tokens": float(m.sum()), "seqs": float((m.sum(-1) > 0).sum())}
         return out
@@ -237,3 +246,14 @@ class Learner:
 
 def _call(fn: Callable[[], T]) -> T:
     return fn()
+
+
+def learner_device(agents) -> torch.device:
+    """Where the learner's batch lives: the device of the first trainable agent (the policy), else
+    of the first agent, else the CPU."""
+    ordered = sorted(agents.values(), key=lambda a: not getattr(a, "trainable", False))
+    for agent in ordered:
+        device = getattr(agent, "device", None)
+        if isinstance(device, torch.device):
+            return device
+    return torch.device("cpu")

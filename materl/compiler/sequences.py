@@ -9,13 +9,24 @@ once: a prefix pass fills a KV cache that their completions attend to (``complet
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 from torch import Tensor
 
 from materl.compiler.episode import as_rollout, pad_rows
 from materl.rollout.episode import EpisodeState, encode
+
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, *, minimum: int = MIN_BUCKET) -> int:
+    """The static size ``n`` is padded to under ``cuda_graphs``: the next power of two, at least
+    ``minimum`` (1 -> 16, 16 -> 16, 17 -> 32, 100 -> 128)."""
+    if n < 1:
+        raise ValueError(f"bucket needs a size >= 1, got {n}")
+    return max(minimum, 1 << (n - 1).bit_length())
 
 
 @dataclass
@@ -29,16 +40,45 @@ class SeqBatch:
     lengths: Tensor  # (B,) prompt + completion length
     prompt_lens: Tensor  # (B,)
     prompt_group: Tensor  # (B,) rows with equal ids have identical prompts
+    static: bool = False  # rows() keeps lengths on power-of-two buckets (captured CUDA graphs)
 
     @property
     def width(self) -> int:
         return self.mask.shape[1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
     def rows(self, idx: Tensor) -> SeqBatch:
+        """Rows ``idx``, cut to their longest sequence (``static``: to that length's bucket)."""
+        idx = idx.to(self.device)
         length = int(self.lengths[idx].max())
+        if self.static:
+            length = min(bucket(length), self.input_ids.shape[1])
         return SeqBatch(self.input_ids[idx, :length], self.attention_mask[idx, :length],
                         self.gather_idx[idx].clamp(max=length - 1), self.completion_ids[idx], self.mask[idx],
-                        self.old_logprobs[idx], self.lengths[idx], self.prompt_lens[idx], self.prompt_group[idx])
+                        self.old_logprobs[idx], self.lengths[idx], self.prompt_lens[idx], self.prompt_group[idx],
+                        self.static)
+
+    def to(self, device: torch.device) -> SeqBatch:
+        """The rows on ``device`` (itself if they are there): one copy per tensor."""
+        if self.device == torch.device(device):
+            return self
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "static"})
+
+    def padded(self, length: int, width: int) -> SeqBatch:
+        """Right-padded to ``length`` sequence positions and ``width`` completion tokens (mask 0,
+        gather index 0: nothing trained reads the padding), with ``rows()`` kept on buckets."""
+        grow_l, grow_t = length - self.input_ids.shape[1], width - self.width
+        if grow_l < 0 or grow_t < 0:
+            raise ValueError(f"padded({length}, {width}) is smaller than the rows ({self.input_ids.shape[1]}, "
+                             f"{self.width})")
+        pad = torch.nn.functional.pad
+        return SeqBatch(pad(self.input_ids, (0, grow_l)), pad(self.attention_mask, (0, grow_l)),
+                        pad(self.gather_idx, (0, grow_t)), pad(self.completion_ids, (0, grow_t)),
+                        pad(self.mask, (0, grow_t)), pad(self.old_logprobs, (0, grow_t)), self.lengths,
+                        self.prompt_lens, self.prompt_group, static=True)
 
 
 def build_seq_batch(tokenizer, prompts: list, completions: list) -> SeqBatch:
@@ -68,7 +108,8 @@ def build_seq_batch(tokenizer, prompts: list, completions: list) -> SeqBatch:
                     torch.tensor(prompt_group))
 
 
-def _gather(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
+def gather_rows(x_B_L_H: Tensor, idx_B_T: Tensor) -> Tensor:
+    """Rows of ``x`` (B, L[, H]) at positions ``idx`` (B, T): the states that predict each token."""
     if x_B_L_H.dim() == 2:
         return x_B_L_H.gather(1, idx_B_T)
     return x_B_L_H.gather(1, idx_B_T[..., None].expand(-1, -1, x_B_L_H.shape[-1]))
@@ -81,16 +122,21 @@ def completion_hidden(agent, sb: SeqBatch, *, share_prompts: bool = True) -> Ten
     and its KV cache reused by the rows that continue it (``shared_prefix_hidden_states``): the
     same values as one forward over every full row, for fewer tokens.
     """
+    sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
+    if not share_prompts:
+        return gather_rows(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     groups_U, owner_B = sb.prompt_group.unique(return_inverse=True)
-    if not share_prompts or len(groups_U) == len(owner_B):
-        return _gather(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
-    first_U = torch.full_like(groups_U, len(owner_B)).scatter_reduce(0, owner_B, torch.arange(len(owner_B)), "amin")
+    if len(groups_U) == len(owner_B):
+        return gather_rows(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
+    dev = sb.device
+    first_U = torch.full_like(groups_U, len(owner_B)).scatter_reduce(
+        0, owner_B, torch.arange(len(owner_B), device=dev), "amin")
     plen_U = sb.prompt_lens[first_U]
     width = int(plen_U.max())
-    prefix_mask = (torch.arange(width)[None, :] < plen_U[:, None]).long()
+    prefix_mask = (torch.arange(width, device=dev)[None, :] < plen_U[:, None]).long()
     prefix_ids = sb.input_ids[first_U, :width] * prefix_mask
     steps = sb.completion_ids.shape[1] - 1  # the last completion token predicts nothing we train
-    suffix_mask = (torch.arange(steps)[None, :] < (sb.lengths - sb.prompt_lens)[:, None]).long()
+    suffix_mask = (torch.arange(steps, device=dev)[None, :] < (sb.lengths - sb.prompt_lens)[:, None]).long()
     last_B_H, suffix_B_S_H = agent.shared_prefix_hidden_states(
         prefix_ids, prefix_mask, owner_B, sb.completion_ids[:, :steps] * suffix_mask, suffix_mask)
     return torch.cat([last_B_H[:, None], suffix_B_S_H], dim=1)

@@ -61,12 +61,13 @@ from materl import compute
 from materl.compiler.context import Run, StepContext
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
+from materl.compiler.optimizers import Optimizers
 from materl.compiler.options import CompileOptions
+from materl.compiler.references import reference_pairs, update_references
 from materl.distributed import state as st
 from materl.distributed.state import LearnerState, Weights
 from materl.engines.hf import causal_lm_of
 from materl.errors import ConfigError
-from materl.ops.reference import make_reference_policy
 
 T = TypeVar("T")
 Strategy = Literal["fsdp2", "ddp"]
@@ -179,7 +180,8 @@ class DistributedLearner:
             raise ConfigError(f"no trainable agent among {', '.join(self.agents) or '(none)'}: nothing to learn")
         self.module = self._wrap()
         self.partition = RankPartition(self.module, strategy, self.rank, self.world_size)
-        self.optimizers = {n: make_optimizer(a, options) for n, a in self.trainable.items()}
+        self.optimizer_set = Optimizers.for_agents(self.trainable, options, clip=_clip)
+        self.optimizers = self.optimizer_set.by_agent
         self.references: list | None = None  # (reference agent, source agent, policy), from the first plan
 
     # -- wrapping --
@@ -223,7 +225,7 @@ class DistributedLearner:
         if self.strategy == "fsdp2" and options.share_prompts:
             options = options.model_copy(update={"share_prompts": False})  # see the module docstring
         run = Run(ctx.next(step=self.version, options=options), self.agents)
-        learner = Learner(run, [e for e in episodes if e.ok], self.optimizer_step, partition=self.partition)
+        learner = Learner(run, [e for e in episodes if e.ok], self.optimizer_set, partition=self.partition)
         t0 = time.perf_counter()
         with compute.serving():  # this thread runs the learner's torch work
             anyio.run(learner.prepare)
@@ -258,25 +260,10 @@ class DistributedLearner:
             raise ConfigError(f"the step's learner nodes use agents {missing} that this learner rank does not "
                               f"hold; it holds {', '.join(self.agents)}")
 
-    def optimizer_step(self) -> float:
-        """Clip each optimizer's gradients by their global norm, step, zero; the largest norm."""
-        norms = []
-        for opt in self.optimizers.values():
-            params = [p for g in opt.param_groups for p in g["params"]]
-            if self.options.max_grad_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, self.options.max_grad_norm)
-                norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return max(norms, default=0.0)
-
     def update_references(self, kl: float | None) -> None:
         """``ml.compile``'s reference update, from the whole policy weights (gathered under FSDP2)."""
-        for ref, src, policy in self.references or ():
-            with torch.no_grad():
-                source = (st.full(p).to(self.device) for p in src.model.parameters())
-                policy.update(list(ref.model.parameters()), source, step=self.version,
-                              kl=kl if kl is not None else 0.0)
+        update_references(self.references or (), step=self.version, kl=kl,
+                          source=lambda src: (st.full(p).to(self.device) for p in src.model.parameters()))
 
     # -- checkpoints --
     def state(self) -> LearnerState | None:
@@ -315,6 +302,12 @@ class DistributedLearner:
         self.version = state.version
 
 
+def _clip(params: list[Tensor], max_norm: float) -> float:
+    """``clip_grad_norm_`` over whole (DDP) or sharded (FSDP2: a DTensor norm) gradients."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+
+
 def _default_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -331,28 +324,3 @@ def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def make_optimizer(agent, options: CompileOptions) -> torch.optim.Optimizer:
-    """The optimizer ``ml.compile`` builds for ``agent`` (``Compiled._optimizer``), over the
-    agent's trainable parameters as they are now (FSDP2: this rank's shards)."""
-    params = [p for p in agent.parameters() if p.requires_grad]
-    lr = (options.value_lr or options.lr) if getattr(agent, "head", None) == "value" else options.lr
-    if options.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=options.weight_decay)
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, lr=lr, betas=options.betas, weight_decay=options.weight_decay,
-                             fused=fused or None)
-
-
-def reference_pairs(plan, agents: Mapping[str, Any], options: CompileOptions) -> list:
-    """(reference agent, source agent, policy) per frozen agent that mirrors a trainable one:
-    ``Compiled._reference_pairs``, from the plan and this rank's agents."""
-    trainable = [n for n, a in agents.items() if a.trainable and getattr(a, "head", None) != "value"]
-    used = {a for name in plan.order for a in plan.nodes[name].agents}
-    pairs = []
-    for name, a in agents.items():
-        if a.trainable or not trainable or getattr(a, "head", None) == "value" or name not in used:
-            continue
-        source = "policy" if "policy" in trainable else trainable[0]
-        policy = make_reference_policy(options.reference, **dict(options.reference_options))
-        pairs.append((a, agents[source], policy))
-    return pairs

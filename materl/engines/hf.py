@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from materl.device import check_same_device
 
 @contextmanager
 def quiet_loading():
@@ -77,6 +78,8 @@ def token_inputs(lm: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tens
     """
     emb = lm.get_input_embeddings()
     w = getattr(emb, "weight", None)
+    if w is not None:
+        check_same_device("token ids", ids, w, where="materl.engines.hf.token_inputs")
     if not (type(emb) is torch.nn.Embedding and torch.is_grad_enabled() and w.requires_grad
             and not torch.distributed.is_initialized()):
         return {"input_ids": ids}

@@ -44,10 +44,12 @@ import torch
 from torch import Tensor
 
 from materl import compute
+from materl.device import autocast, compute_dtype
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
+from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
     StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
 )
@@ -107,13 +109,22 @@ class TransformersEngine:
     """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.0,
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, dtype: torch.dtype | None = None, static_cache: bool | None = None):
+        """``dtype``: what decoding computes in under ``torch.autocast`` (default: bf16 when the
+        model is on CUDA, fp32 on a CPU, where nothing changes); the weights are not cast.
+        ``static_cache``: decode on static KV-cache slots, steps captured as CUDA graphs on CUDA
+        (``static_decode.py``; default: on for a model on CUDA, off on a CPU)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
             raise ConfigError(f"batch_window_s must be >= 0, got {batch_window_s!r}")
         self.model = model
         self.tokenizer = tokenizer
+        device = _device_of(model)
+        self.dtype = compute_dtype(device, dtype)
+        static = device.type == "cuda" if static_cache is None else bool(static_cache)
+        self.static = StaticDecoder(capture=device.type == "cuda") if static else None
+        self._lowp, self._lowp_stale = None, False  # the decode copy in ``dtype`` (CUDA, bf16/fp16)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
         self.stats = EngineStats()
@@ -131,7 +142,7 @@ class TransformersEngine:
 
     @classmethod
     def for_agent(cls, agent, **options) -> "TransformersEngine":
-        return cls(agent.model, agent.tokenizer, **options)
+        return cls(agent.model, agent.tokenizer, **{"dtype": agent.compute_dtype, **options})
 
     def __repr__(self) -> str:
         return (f"TransformersEngine(max_batch={self.max_batch}, batches={self.stats.batches}, "
@@ -170,8 +181,10 @@ class TransformersEngine:
 
     def sync_weights(self) -> None:
         """The engine decodes with the agent's own model object, so it always sees the current
-        weights; this only drops the packed decode copies of the old ones."""
+        weights; this only drops the packed decode copies of the old ones (and marks a
+        lower-precision decode copy stale: refreshed in place before the next decode)."""
         self.decode_weights.clear()
+        self._lowp_stale = True
 
     def sleep(self) -> None:
         """Free decode-only memory (the packed copies of trainable weights) while the learner
@@ -220,13 +233,14 @@ class TransformersEngine:
                 await anyio.lowlevel.checkpoint()
 
     def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
-        lm = causal_lm_of(self.model)
+        lm = self._decode_model(causal_lm_of(self.model))
         start = time.perf_counter()
         with self.model_lock, self.decode_weights.installed(lm):
             was_training = lm.training
             lm.eval()
             try:
-                with torch.no_grad():
+                with torch.no_grad(), autocast(_device_of(lm), self.dtype if _dtype_of(lm) == torch.float32
+                                                             else torch.float32):  # a low-precision copy: no autocast
                     gens = self._decode(lm, batch)
             finally:
                 lm.train(was_training)
@@ -239,10 +253,31 @@ class TransformersEngine:
         s.largest_batch = max(s.largest_batch, len(batch))
         return gens
 
+    def _decode_model(self, lm):
+        """What decodes: ``lm`` itself, or on CUDA with a bf16/fp16 ``dtype`` over fp32 weights a
+        copy of it in ``dtype``, made once and refreshed in place after each weight change (in
+        place: captured decode graphs keep reading the same addresses). Autocast would instead cast
+        every fp32 weight on every decode step, three times the memory traffic of reading bf16."""
+        device = _device_of(lm)
+        if device.type != "cuda" or self.dtype == torch.float32 or _dtype_of(lm) != torch.float32:
+            return lm
+        if self._lowp is None:
+            import copy
+
+            self._lowp = copy.deepcopy(lm).to(self.dtype).requires_grad_(False)
+        elif self._lowp_stale:
+            with torch.no_grad():
+                for mine, theirs in zip(self._lowp.parameters(), lm.parameters(), strict=True):
+                    mine.copy_(theirs)
+        self._lowp_stale = False
+        return self._lowp
+
     # -- decode loop ------------------------------------------------------------------------
 
     def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
         version = self.weights_version  # weights change only between batches (both run in the compute thread)
+        if self.static is not None:
+            return self.static.decode(self, lm, batch, version)
         device = next(lm.parameters()).device
         rows = [self._new_row(r) for r in batch]
         # Identical prompts (a GRPO group) are prefilled once; their cache rows are then copied.
@@ -297,12 +332,11 @@ class TransformersEngine:
 # --------------------------------------------------------------------------------- helpers
 
 
-def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[Tensor, Tensor]:
-    """(B, P) ids and mask with each prompt right-aligned (left padding)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
+def _device_of(model) -> torch.device:
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _dtype_of(model) -> torch.dtype:
+    param = next(model.parameters(), None)
+    return param.dtype if param is not None else torch.float32

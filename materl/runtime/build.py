@@ -38,11 +38,12 @@ def build_from_config(cfg, *, load_data: bool = True):
     if cfg.distributed.correction is not None:
         hparams = dict(cfg.distributed.correction)
         recipe = ml.with_off_policy_correction(recipe, hparams.pop("method"), **hparams)
-    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora)}
+    placed = dict(device=cfg.model.device, compute_dtype=cfg.model.dtype)
+    agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora, **placed)}
     if "ref_policy" in recipe.agents:
-        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name)
+        agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name, **placed)
     if "value_model" in recipe.agents:
-        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True)
+        agents["value_model"] = ml.Agent(cfg.model.name, head="value", trainable=True, **placed)
     compiled = Compiled(recipe, agents, options)
     train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
     return compiled, train_rows, test_rows

@@ -91,10 +91,26 @@ class _Section(BaseModel):
 
 class ModelSection(_Section):
     """The trained policy: a named model (``tiny-random``, ``smollm2-135m-instruct``) or an
-    HF folder; ``lora``: dict(r, alpha, dropout, targets) or None; ``head``: None or "value"."""
+    HF folder; ``lora``: dict(r, alpha, dropout, targets) or None; ``head``: None or "value";
+    ``device`` and ``dtype`` (compute dtype; weights and optimizer state stay fp32) apply to every
+    agent of the run (``materl.device``)."""
     name: str = "tiny-random"
     lora: dict[str, Any] | None = None
     head: Literal["value"] | None = None
+    device: str | None = None  # cpu, cuda, cuda:N; null: cuda when present (every agent of the run)
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None  # compute dtype; null: bf16 on CUDA, fp32 on CPU
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is not None:
+            import torch
+
+            try:
+                torch.device(v)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"device {v!r} is not a torch device; valid: cpu, cuda, cuda:N or null") from None
+        return v
 
     @field_validator("name")
     @classmethod

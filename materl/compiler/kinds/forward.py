@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from materl.compiler.episode import to_tensor
-from materl.compiler.sequences import SeqBatch, completion_hidden
+from materl.compiler.graphs import graphed
+from materl.compiler.sequences import SeqBatch, completion_hidden, gather_rows
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
 from materl.ops.logprobs import token_logprobs
@@ -39,14 +39,47 @@ def forward_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool
     """Log-probs (B, T) with gradient, and with ``entropy`` the entropy as a metric (no gradient:
     with a frozen LM head the hidden-state gradient is then formed in the forward)."""
     o = learner.run.options
-    hidden = completion_hidden(agent, sb, share_prompts=o.share_prompts)
-    weight, bias = agent.output_embedding()
-    return token_logprobs(hidden, weight, sb.completion_ids, bias=bias, temperature=temp,
-                          chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
+    if o.cuda_graphs:
+        return _to_learner(learner, _graphed_logprobs(learner, agent, sb, temp=temp, entropy=entropy))
+    with agent.autocast():  # bf16 compute over fp32 weights on CUDA; nothing on a CPU
+        hidden = completion_hidden(agent, sb, share_prompts=o.share_prompts)
+        weight, bias = agent.output_embedding()
+        out = token_logprobs(hidden, weight, sb.completion_ids.to(hidden.device), bias=bias, temperature=temp,
+                             chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
+    return _to_learner(learner, out)
+
+
+def _graphed_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool):
+    """``forward_logprobs`` on static shapes through a captured graph per bucket
+    (``materl.compiler.graphs``); prompts are not shared (their prefix pass is dynamic)."""
+    o = learner.run.options
+    sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
+    capture = sb.device.type == "cuda"
+
+    def make():
+        def logprobs(input_ids, attention_mask, gather_idx, completion_ids):
+            with agent.autocast():
+                hidden = gather_rows(agent.hidden_states(input_ids, attention_mask), gather_idx)
+                weight, bias = agent.output_embedding()
+                return token_logprobs(hidden, weight, completion_ids, bias=bias, temperature=temp,
+                                      chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
+        return logprobs
+
+    fn = graphed(agent.model, ("logprobs", temp, entropy, o.logprob_chunk_size), make, capture=capture)
+    return fn(sb.input_ids, sb.attention_mask, sb.gather_idx, sb.completion_ids)
 
 
 def forward_values(learner, agent, sb: SeqBatch) -> Tensor:
-    return agent.values_of_hidden(completion_hidden(agent, sb, share_prompts=learner.run.options.share_prompts))
+    with agent.autocast():
+        values = agent.values_of_hidden(completion_hidden(agent, sb, share_prompts=learner.run.options.share_prompts))
+    return _to_learner(learner, values)
+
+
+def _to_learner(learner, out):
+    """A forward's outputs on the learner's device (from an agent that sits elsewhere)."""
+    if isinstance(out, tuple):
+        return tuple(_to_learner(learner, t) for t in out)
+    return out.to(learner.device) if out.device != learner.device else out
 
 
 def _no_grad(learner, node: Node, fn) -> Tensor:
@@ -92,11 +125,7 @@ def logprobs_prepare(learner, node: Node, *, live: bool) -> Tensor | None:
 def prepared_logprobs(learner, node: Node, rows: Tensor) -> Tensor:
     """The (len(rows), T) log-probs prepare stored for ``node``: with ``recompute=True`` the proximal
     policy's, else the sampling log-probs."""
-    values = [learner.episodes[i].resolve(node.name) for i in rows.tolist()]
-    width = learner.seq_batch(node).width
-    if all(isinstance(v, Tensor) and v.shape == (width,) for v in values):  # as prepare stored them
-        return torch.stack(values).float()
-    return to_tensor(values, width=width)
+    return learner.batch.stacked(node.name, rows, width=learner.seq_batch(node).width)
 
 
 def logprobs_learn(learner, node: Node, rows, get, denoms):
@@ -106,8 +135,7 @@ def logprobs_learn(learner, node: Node, rows, get, denoms):
         _gather_mismatch(learner, node, sb, logp)
     elif defers_proximal(learner, node):
         proximal = logp.detach().float()  # as prepare would have stored them
-        for i, row in zip(rows.tolist(), proximal):
-            learner.episodes[i].store(node.name, row)
+        learner.batch.put_rows(node.name, rows, proximal)
         if _sampled(learner, node):
             _gather_mismatch(learner, node, sb, proximal)
     return logp, {"entropy": float((ent.detach() * sb.mask).sum() / sb.mask.sum().clamp(min=1))}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from materl.compiler.episode import to_tensor
 from materl.compiler.kinds.forward import prepared_logprobs, recomputes
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
@@ -164,7 +163,7 @@ def value_loss_learn(learner, node: Node, rows, get, denoms):
 
 def _old_values(learner, values_node: Node, rows, values: Tensor) -> Tensor:
     """The no-gradient values of prepare (the old values of the clipped loss)."""
-    return to_tensor([learner.episodes[i].resolve(values_node.name) for i in rows.tolist()], width=values.shape[1])
+    return learner.batch.stacked(values_node.name, rows, width=values.shape[1])
 
 
 def check_value_targets(node: Node, info) -> list[str]:
