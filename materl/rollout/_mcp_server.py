@@ -194,8 +194,7 @@ class _Supervised:
                 return answer._replace(server_s=timeout_s - budget)
             if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
                 self.stats["retries"] += 1
-                async with self._suspects:  # rule 2: retried calls go one at a time
-                    answer, budget = await self._attempt(tool, args, budget, 2)
+                answer, budget = await self._retry(tool, args, budget)
                 if not answer.died:
                     return answer._replace(server_s=timeout_s - budget)
             used = timeout_s - budget
@@ -204,6 +203,15 @@ class _Supervised:
                               f"meanwhile: {answer.text})", "timeout", attempts=answer.attempts, server_s=used)
             return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts,
                           server_s=used)
+
+    async def _retry(self, tool: str, args: dict[str, Any], budget: float) -> tuple[Answer, float]:
+        """Rule 2: retried calls are sent one at a time. Waiting for the server to be back is not
+        serialised: calls in flight when an HTTP server went away each wait at most
+        ``reconnect_s`` side by side, not one after another."""
+        if await self._live() is None:
+            return Answer(self._unavailable(tool), "unavailable", attempts=2), budget
+        async with self._suspects:
+            return await self._attempt(tool, args, budget, 2)
 
     async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
         """One send on the live instance; returns the answer and the time left of the budget."""

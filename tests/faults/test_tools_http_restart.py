@@ -93,3 +93,23 @@ async def test_a_call_waits_for_a_server_that_comes_back_within_reconnect_s(serv
         servers.append(await asyncio.to_thread(start_server, port))
         result = await asyncio.wait_for(waiting, 60)
         assert (result.is_error, result.content) == (False, "25")
+
+
+async def test_calls_in_flight_during_an_outage_wait_side_by_side(servers):
+    # Six calls meet the dead server at once. Each may wait reconnect_s for its first attempt
+    # and reconnect_s for its retry, side by side: about 2 x 2 s in all. Retries that waited
+    # for the server one after another (the bug) took k x reconnect_s for the k-th call: 12 s
+    # for the last of six. 8 s sits between the two with room for a loaded machine.
+    port = free_port()
+    servers.append(start_server(port))
+    server = MCPServer(url=f"http://127.0.0.1:{port}/mcp", reconnect_s=2.0, name="calc")
+    async with mcp_tools(server, timeout_s=30) as toolbox:
+        assert (await toolbox.call("calculate", {"expression": "1 + 2"})).content == "3"
+        servers[0].send_signal(signal.SIGKILL)
+        servers[0].wait()
+        started = time.monotonic()
+        results = await asyncio.gather(*(toolbox.call("calculate", {"expression": f"{k} + 1"}) for k in range(6)))
+        elapsed = time.monotonic() - started
+        assert all(r.is_error and r.error_kind == "unavailable" for r in results), \
+            [(r.error_kind, r.content) for r in results]
+        assert elapsed < 8.0, f"6 calls in an outage took {elapsed:.1f} s: their waits were serialised"

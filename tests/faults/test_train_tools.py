@@ -175,9 +175,8 @@ def test_http_tool_server_restarted_during_training(tmp_path, monkeypatch):
     monkeypatch.setenv("FAULT_TOOL_URL", f"http://127.0.0.1:{port}/mcp")
     sets = write_recipe(tmp_path, HTTP_RECIPE, monkeypatch)
     # held 1.5 s in step 2's update (step 1 saved, step 2's calls answered): the server dies there,
-    # so step 3's calls find it gone and fail as 'unavailable' after waiting reconnect_s = 3 s each
-    # (one after the other, so step 3 takes ~12 s: the calls whose connection died are retried one
-    # at a time, each retry waiting reconnect_s; later outage calls wait 3 s side by side).
+    # so step 3's calls find it gone and fail as 'unavailable' after waiting reconnect_s = 3 s each,
+    # side by side (test_tools_http_restart.py::test_calls_in_flight_during_an_outage_wait_side_by_side).
     # 'keep': a step whose every episode hit the outage would otherwise have nothing to train on
     # (all masked) and stop the run with StepFailedError, by design.
     child, run_dir = start_run(tmp_path, "learner", *sets, "--set", "compile.infra_failures=keep",
