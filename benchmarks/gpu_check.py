@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,7 +81,9 @@ class Report:
         except ImportError as exc:
             self.add(section, item, f"skipped: {exc}")
         except Exception as exc:  # noqa: BLE001 - one failing piece must not stop the others
-            self.add(section, item, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+            traceback.print_exc()  # the whole story in the log; the row says what failed
+            first = (str(exc).splitlines() or [""])[0][:200]
+            self.add(section, item, f"failed: {type(exc).__name__}: {first}")
 
     def summary(self) -> str:
         lines = ["| section | item | result |", "|---|---|---|"]
@@ -334,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     batches, new_tokens = ([2], 4) if args.dry_run else ([8, 64], 128)
     tokenizer = tokenizer_for(SHAPES[shapes[0]]["vocab_size"])
     if "tests" not in args.skip and not args.dry_run:
-        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=150.0))
+        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=100.0))
     def decode(batch_sizes):
         for batch in batch_sizes if "decode" not in args.skip else ():
             for shape in shapes:

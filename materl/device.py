@@ -80,3 +80,27 @@ def check_same_device(what: str, t: torch.Tensor, expected: torch.device | torch
     if t.device != device:
         raise DeviceError(f"{what} is on {t.device} but the model it feeds is on {device} ({where}); move the "
                           f"batch to the model's device once (materl.device.on_device) before the forward")
+
+
+def cuda_graph_thread() -> None:
+    """Make this thread able to run ``torch.compile(mode="reduce-overhead")`` functions.
+
+    torch's CUDA-graph trees keep their tree managers in thread-local storage. Before torch 2.12
+    that storage was filled only in the thread that imported ``torch._inductor.cudagraph_trees``
+    (and the autograd threads it starts), so a captured function called from any other thread
+    (materl's compute thread, when HF ``generate`` or anything else compiled first in the main
+    thread) fails with a bare ``AssertionError`` in ``cudagraph_trees.get_obj`` (seen on torch
+    2.11 on an H200). This fills this thread's storage the way torch >= 2.12 does on first use;
+    a no-op where it is filled already. Graphs recorded in one thread are replayed in that thread
+    (materl runs each engine's and each learner's captured work in its one compute thread)."""
+    import threading
+    from collections import defaultdict
+
+    from torch._inductor import cudagraph_trees as trees
+
+    if hasattr(trees.local, "tree_manager_containers") or torch._C._is_key_in_tls("tree_manager_containers"):
+        return
+    trees.local.tree_manager_containers = {}
+    trees.local.tree_manager_locks = defaultdict(threading.Lock)
+    torch._C._stash_obj_in_tls("tree_manager_containers", trees.local.tree_manager_containers)
+    torch._C._stash_obj_in_tls("tree_manager_locks", trees.local.tree_manager_locks)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from materl.device import cuda_graph_thread
 from materl.errors import CompileError
 
 _GRAPHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {key: GraphedForward}
@@ -56,6 +57,8 @@ class GraphedForward:
 
     def __call__(self, *tensors: Tensor):
         self.shapes.add(tuple(tuple(t.shape) for t in tensors))
+        if self.capture:
+            cuda_graph_thread()
         out = self.run(*tensors)
         if not self.capture:
             return out
@@ -75,4 +78,5 @@ def graphed(model: torch.nn.Module, key: Any, make: Callable[[], Callable], *, c
 def step_begin(capture: bool) -> None:
     """A new micro-step: earlier replays' outputs may be overwritten from here on."""
     if capture:
+        cuda_graph_thread()
         torch.compiler.cudagraph_mark_step_begin()

@@ -175,18 +175,24 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: Tensor, up: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(gate, up, weight)
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         return F.linear(F.silu(gate) * up, weight, bias)
 
     @staticmethod
     def backward(ctx, g_out: Tensor):
         gate, up, weight = ctx.saved_tensors
         need_gate, need_up, need_w, need_b = ctx.needs_input_grad
+        # Under autocast the forward's linear computed in g_out's dtype (bf16) from the fp32
+        # weight; the backward does the same, and hands each gradient back in its input's dtype
+        # (as autocast's cast would): fp32 for the master weight.
+        weight = weight.to(g_out.dtype)
         silu = F.silu(gate)  # as the forward computed it
         g_w = g_b = None
         if need_w:
-            g_w = g_out.reshape(-1, g_out.shape[-1]).T @ (silu * up).reshape(-1, up.shape[-1])
+            g_w = (g_out.reshape(-1, g_out.shape[-1]).T @ (silu * up).reshape(-1, up.shape[-1]).to(g_out.dtype))
+            g_w = g_w.to(ctx.dtypes[0])
         if need_b:  # False when there is no bias
-            g_b = g_out.reshape(-1, g_out.shape[-1]).sum(0)
+            g_b = g_out.reshape(-1, g_out.shape[-1]).sum(0).to(ctx.dtypes[1])
         g_h = g_out @ weight
         g_up = g_h * silu if need_up else None
         g_gate = torch.ops.aten.silu_backward(g_h * up, gate) if need_gate else None  # autograd's own kernel

@@ -73,15 +73,17 @@ def token_inputs(lm: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Tens
     (same storage, its own leaf) with ``sparse=True``; when the alias's row gradient is complete
     a hook adds it into ``weight.grad`` (or makes it the dense gradient if there is none yet), so
     ``weight.grad`` ends dense and equal to the dense lookup's, with no (V, H) temporary at the
-    end of the backward, the step's memory peak. Not taken without gradients or under
-    ``torch.distributed`` (DDP and FSDP2 reduce each parameter's gradient from autograd's hooks).
+    end of the backward, the step's memory peak. Not taken without gradients, under
+    ``torch.distributed`` (DDP and FSDP2 reduce each parameter's gradient from autograd's hooks),
+    or inside ``torch.compile`` (``cuda_graphs=True``: the hook breaks the graph, and the sparse
+    backward failed inside the captured region on an H200).
     """
     emb = lm.get_input_embeddings()
     w = getattr(emb, "weight", None)
     if w is not None:
         check_same_device("token ids", ids, w, where="materl.engines.hf.token_inputs")
     if not (type(emb) is torch.nn.Embedding and torch.is_grad_enabled() and w.requires_grad
-            and not torch.distributed.is_initialized()):
+            and not torch.distributed.is_initialized() and not torch.compiler.is_compiling()):
         return {"input_ids": ids}
     alias = w.detach().requires_grad_()
     alias.register_post_accumulate_grad_hook(functools.partial(_add_rows, w))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from materl.device import cuda_graph_thread
 from materl.engines.hf import cache_kwargs
 
 
@@ -87,6 +88,8 @@ class StaticDecoder:
         width = max(len(p) for p in prompts)
         new = max(r.params.max_new_tokens for r in batch)
         slot = self.slot(lm, bucket_rows(len(batch)), bucket_length(width + new), device)
+        if self.capture:
+            cuda_graph_thread()
         slot.cache.reset()
         logits, lengths = self._prefill(engine, lm, slot, prompts, width, device)
         active = list(range(len(rows)))  # rows[active[j]] is live row j

@@ -7,6 +7,7 @@ tensor materl makes without ``device=`` fails these tests. Plus the device/dtype
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 
 import pytest
 import torch
@@ -184,3 +185,26 @@ def test_checkpoint_written_on_cuda_resumes_on_cpu_and_back(tmp_path, tiny):
     restore(save_checkpoint(tmp_path / "cpu", 1, agents={"policy": cpu}, optimizers={}), agents={"policy": back}, rng=False)
     for p, q in zip(back.parameters(), cpu.parameters()):
         assert p.device.type == "cuda" and torch.equal(p.cpu(), q)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mojo") is None, reason="needs the mojo engine (bf16 decoding on "
+                    "this CPU's oneDNN fails; the Mojo engine samples in fp32 whatever the learner computes in)")
+def test_grpo_step_with_a_bf16_learner_over_fp32_weights():
+    """compute_dtype="bfloat16": the learner's forward and backward run under bf16 autocast over
+    fp32 master weights (what CUDA does by default). The same episodes (the Mojo engine samples
+    them identically) give the fp32 step's loss and gradient norm to bf16 precision, and the
+    weights stay fp32. This path failed on its first GPU run (the fused SwiGLU backward mixed a
+    bf16 gradient with the fp32 weight); no CPU test had run the learner under autocast."""
+    from materl.recipes import grpo
+
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        policy = ml.Agent("tiny-random", trainable=True, device="cpu", compute_dtype=dtype, engine="mojo")
+        c = ml.compile(grpo, policy=policy, ref_policy=policy, group_size=2, max_new_tokens=8, seed=0,
+                       kernels="torch")
+        out[dtype] = c.run(["hi there", "what is 2+2"])
+        c.close()
+        assert all(p.dtype == torch.float32 for p in policy.model.parameters())
+    fp32, bf16 = out["float32"], out["bfloat16"]
+    assert fp32["grad_norm"] > 0 and abs(bf16["grad_norm"] - fp32["grad_norm"]) <= 0.05 * fp32["grad_norm"]
+    assert abs(bf16["loss"] - fp32["loss"]) <= 0.05 * max(abs(fp32["loss"]), 1e-3)

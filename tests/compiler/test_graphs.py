@@ -100,3 +100,38 @@ def test_captured_learner_step_equals_eager_on_cuda():
     (eager, before, after_eager), (graphed, _, after_graphed) = results
     assert abs(graphed["loss"] - eager["loss"]) <= 1e-4 * max(1.0, abs(eager["loss"]))
     assert_same_update(after_graphed, after_eager, before, rel=1e-4, margin=10.0)
+
+
+def test_cuda_graph_thread_fills_the_storage_torch_2_11_asserts_on():
+    """torch 2.11's ``cudagraph_trees.get_obj`` asserts that a thread other than the importer has
+    the tree managers in its thread-local storage (the bare AssertionError every captured decode
+    hit on an H200, in materl's compute thread). That lookup, as 2.11 wrote it, fails in a fresh
+    thread and works there after ``cuda_graph_thread()``."""
+    import threading
+
+    from torch._inductor import cudagraph_trees as trees
+
+    from materl.device import cuda_graph_thread
+
+    def get_obj_2_11(local, name):
+        if hasattr(local, name):
+            return getattr(local, name)
+        assert torch._C._is_key_in_tls(name)
+        return torch._C._get_obj_in_tls(name)
+
+    seen = {}
+
+    def fresh_thread():
+        try:
+            get_obj_2_11(trees.local, "tree_manager_containers")
+            seen["before"] = "found"
+        except AssertionError:
+            seen["before"] = "AssertionError"
+        cuda_graph_thread()
+        seen["after"] = type(get_obj_2_11(trees.local, "tree_manager_containers")).__name__
+        seen["locks"] = type(get_obj_2_11(trees.local, "tree_manager_locks")).__name__
+
+    t = threading.Thread(target=fresh_thread)
+    t.start()
+    t.join()
+    assert seen == {"before": "AssertionError", "after": "dict", "locks": "defaultdict"}

@@ -152,3 +152,26 @@ def test_backward_frees_each_prompt_layer_with_the_completions_layer(monkeypatch
         last_prompt = max(k for k, w in enumerate(freed) if w == ("prompt", i))
         first_completion_below = min(k for k, w in enumerate(freed) if w == ("completion", i - 1))
         assert last_prompt < first_completion_below, (i, freed)
+
+
+def test_swiglu_backward_under_bf16_autocast_matches_autograd():
+    """Under autocast (the learner's bf16 compute over fp32 master weights) the forward's linear
+    ran in bf16 from the fp32 weight; the backward must too, and hand back an fp32 weight
+    gradient. It used to multiply the bf16 gradient by the fp32 weight and fail (seen on an H200)."""
+    torch.manual_seed(0)
+    gate32, up32 = torch.randn(3, 5, 16), torch.randn(3, 5, 16)
+    w = torch.nn.Parameter(torch.randn(8, 16) / 4)
+    b = torch.nn.Parameter(torch.randn(8))
+    grads = []
+    for fused in (True, False):
+        gate, up = gate32.bfloat16().requires_grad_(), up32.bfloat16().requires_grad_()
+        w.grad = b.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = (dfw._SwiGLUDown.apply(gate, up, w, b) if fused
+                   else torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w, b))
+        assert out.dtype == torch.bfloat16
+        (out.float() ** 2).sum().backward()
+        grads.append((gate.grad, up.grad, w.grad, b.grad))
+    for mine, ref in zip(*grads):
+        assert mine.dtype == ref.dtype  # bf16 for the activations, fp32 for the master weights
+        assert_close_to_scale(mine.double(), ref.double(), rel=2e-2)
