@@ -1,6 +1,6 @@
 """What does the OpenAI-compatible endpoint cost, and does a slow judge overlap the rollout?
 
-Episodes: 64 (16 prompts x group 4) on the tiny model, each two turns: turn 1 (with the
+Episodes: 64 (16 prompts x group 4) on the tiny model (``--model``: another), each two turns: turn 1 (with the
 calculator's schema in the prompt), a tool result, turn 2. The tiny random model never writes a
 tool call, so both paths give turn 1 one and answer it with "5":
 
@@ -18,6 +18,7 @@ without (alternating rounds) ``ml.judge`` against a judge server that answers af
 (``benchmarks/_servers/slow_judge.py``, a separate process). Goal: the judge adds <= 10%.
 
     OMP_NUM_THREADS=1 python benchmarks/agent_endpoint.py [--rounds 5] [--judge-latency 0.2]
+        [--model smollm2-135m-instruct] [--parts endpoint,judge]
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ async def rollout_wall(compiled: Compiled) -> tuple[float, list]:
 
 async def endpoint_vs_generate_step(args) -> None:
     options = CompileOptions(max_new_tokens=args.max_new_tokens, group_size=4, max_turns=2, seed=0)
-    policy = ml.Agent("tiny-random", trainable=True)  # the endpoint recipe has a loss; only rollouts run here
+    policy = ml.Agent(args.model, trainable=True)  # the endpoint recipe has a loss; only rollouts run here
     steps = Compiled(recipe_steps, {"policy": policy}, options, rollout_only=True)
     agents = Compiled(endpoint_recipe(None), {"policy": policy}, options, rollout_only=True)
     walls: dict[str, list[float]] = {"generate_step": [], "endpoint": []}
@@ -123,7 +124,7 @@ async def endpoint_vs_generate_step(args) -> None:
         await steps.aclose()
         await agents.aclose()
     g, e = statistics.median(walls["generate_step"]), statistics.median(walls["endpoint"])
-    print(f"64 two-turn episodes, {args.max_new_tokens} new tokens a turn, median of {args.rounds} rounds")
+    print(f"{args.model}: 64 two-turn episodes, {args.max_new_tokens} new tokens a turn, median of {args.rounds} rounds")
     print(f"  generate_step  {g:7.3f} s   (all: {', '.join(f'{w:.3f}' for w in walls['generate_step'])})")
     print(f"  endpoint       {e:7.3f} s   (all: {', '.join(f'{w:.3f}' for w in walls['endpoint'])})")
     print(f"  endpoint / generate_step = {e / g:.3f}x   (goal <= 1.15)")
@@ -138,7 +139,7 @@ def judge_overlap(args) -> None:
     try:
         url = server.stdout.readline().strip()
         for name, judge_url in (("no judge", None), ("judge", url)):
-            steps[name] = ml.compile(endpoint_recipe(judge_url), policy=ml.Agent("tiny-random", trainable=True),
+            steps[name] = ml.compile(endpoint_recipe(judge_url), policy=ml.Agent(args.model, trainable=True),
                                      group_size=4, max_new_tokens=args.max_new_tokens, lr=1e-4, seed=0)
             steps[name].run(prompts=PROMPTS)  # warm-up
         walls: dict[str, list[float]] = {name: [] for name in steps}
@@ -166,9 +167,15 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--judge-latency", type=float, default=0.2)
+    p.add_argument("--model", default="tiny-random",
+                   help="tiny-random: per-request overhead at its largest share; smollm2-135m-instruct: the demo's model")
+    p.add_argument("--parts", default="endpoint,judge", help="comma-separated: endpoint, judge")
     args = p.parse_args()
-    anyio.run(endpoint_vs_generate_step, args)
-    judge_overlap(args)
+    parts = args.parts.split(",")
+    if "endpoint" in parts:
+        anyio.run(endpoint_vs_generate_step, args)
+    if "judge" in parts:
+        judge_overlap(args)
 
 
 if __name__ == "__main__":

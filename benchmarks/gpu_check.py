@@ -20,8 +20,10 @@ to a missing optional piece (TRL absent, a compile failing): its rows then say w
 4. the learner step with ``cuda_graphs=True`` vs eager on the same episodes (135M shape).
 
 What the GPU machine needs beyond what it has (torch, transformers, triton, peft, accelerate,
-numpy) travels as wheels (docs/gpu.md, "Bringing what the GPU machine lacks"); then, from the
-repository root: ``PYTHONPATH=$PWD python benchmarks/gpu_check.py``.
+numpy) travels as wheels, materl's own included (docs/gpu.md, "Bringing what the GPU machine
+lacks"): install them into /tmp/site, then from the repository root
+``PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py``. A failing piece prints its
+traceback to stderr and becomes a row; the rest runs.
 """
 
 from __future__ import annotations
