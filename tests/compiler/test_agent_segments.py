@@ -248,3 +248,23 @@ async def test_segments_survive_pickling_as_episodes_travel_to_ray_workers():
     assert [(s.prompt_ids, s.completion_ids, s.loss_mask) for s in r2.segments] == \
            [(s.prompt_ids, s.completion_ids, s.loss_mask) for s in r.segments]
     assert r2.segment_spans == r.segment_spans and r2.metadata["num_segments"] == 2
+
+
+def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_segments():
+    from materl.rollout.types import Rollout, Step, join_segments
+    from materl.runtime.logging import format_episode
+
+    first = Rollout([1, 2], [Step("generate", [10, 11], [-0.1, -0.2], text="a"), Step("tool", [20]),
+                             Step("generate", [12], [-0.3], text="b")])
+    second = Rollout([3, 4, 5], [Step("generate", [13, 14], [-0.4, -0.5], text="c")])
+    joined = join_segments([first, second], metadata={"num_segments": 2})
+    # completion: 10 11 | 20 | 12 | 3 4 5 (segment 2's prompt, untrained) | 13 14
+    assert joined.prompt_ids == [1, 2] and joined.completion_ids == [10, 11, 20, 12, 3, 4, 5, 13, 14]
+    assert joined.loss_mask == [1, 1, 0, 1, 0, 0, 0, 1, 1] and joined.text == "c"
+    assert joined.sampling_logprobs == [-0.1, -0.2, 0.0, -0.3, 0.0, 0.0, 0.0, -0.4, -0.5]
+    assert joined.segment_spans == [(0, 4), (7, 9)]
+    back = joined.segments
+    assert [(r.prompt_ids, r.completion_ids, r.loss_mask) for r in back] == \
+           [(first.prompt_ids, first.completion_ids, first.loss_mask), (second.prompt_ids, [13, 14], [1, 1])]
+    assert join_segments([first]) is first and first.segments == [first] and first.segment_spans == [(0, 4)]
+    assert "--- segment 2: history rewritten, new prompt · 3 tokens ---" in format_episode(joined)
