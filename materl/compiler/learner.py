@@ -13,7 +13,8 @@ The batch is a ``LearnerBatch`` (``batch.py``): token rows and every per-episode
 reads, collated once, on the learner's device (its first trainable agent's), sliced per
 micro-batch. A row is an episode, or one segment of an agent episode whose history was rewritten
 (``batch.RowMap``): prepare's forwards, the update's micro-batches and the loss denominators run
-over rows; ``trained_sequences`` reports how many. The optimizers are an ``OptimizerStep`` (``optimizers.Optimizers``) handed in.
+over rows; ``trained_sequences`` reports how many. The optimizers are an ``OptimizerStep``
+(``optimizers.Optimizers``) handed in.
 
 Which rows of a mini-batch this process computes, the denominators, how forwards through
 trainable weights run and how gradients meet are a ``Partition``: ``WholeBatch`` (one process,

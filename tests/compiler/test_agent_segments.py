@@ -151,7 +151,7 @@ async def test_every_segment_is_a_learner_row_and_the_gradient_is_the_hand_built
     model = learner.run.agents["policy"].model
     want = hand_gradient(model, rows, expected)
     assert (got - want).norm() / want.norm() < 1e-4
-    # training the last segment alone (today's behaviour before segments were rows) is another gradient
+    # training the last segment alone (what materl did before segments were rows) is another gradient
     alone = hand_gradient(model, [last, cont.values["rollout"]], [a, -a])
     assert (got - alone).norm() / alone.norm() > 0.05
 
@@ -174,8 +174,8 @@ async def test_step_rewards_of_every_segment_are_credited_as_one_turn_sequence()
     adv = learner.batch.column("advantages", Kind.TOKENS)
     rows = [(learner.batch.map.episode[i], learner.batch.map.segment[i]) for i in range(len(learner.batch))]
     first = position(learner, seg)
-    for i, (e, k) in enumerate(rows):
-        row = learner.batch.per_row([x.values["rollout"] for x in learner.episodes], Kind.ROLLOUT)[i]
+    segments = learner.batch.per_row([x.values["rollout"] for x in learner.episodes], Kind.ROLLOUT)
+    for i, ((e, k), row) in enumerate(zip(rows, segments)):
         n = len(row.completion_ids)
         if e == first:
             want = torch.full((n,), (-1.0, -0.5)[k] * s)
@@ -187,8 +187,7 @@ async def test_step_rewards_of_every_segment_are_credited_as_one_turn_sequence()
     # the reference forward ran on the same rows: its log-probs are the frozen model's on each
     # row, stored on the episode in its own layout (0 on the untrained step between segments)
     ref_model = learner.run.agents["ref_policy"].model
-    for i in range(len(rows)):
-        row = learner.batch.per_row([x.values["rollout"] for x in learner.episodes], Kind.ROLLOUT)[i]
+    for i, row in enumerate(segments):
         ids = torch.tensor([row.prompt_ids + row.completion_ids])
         p, n = len(row.prompt_ids), len(row.completion_ids)
         with torch.no_grad():
@@ -196,9 +195,10 @@ async def test_step_rewards_of_every_segment_are_credited_as_one_turn_sequence()
         want = logp.gather(1, torch.tensor(row.completion_ids)[:, None])[:, 0]
         got = learner.batch.stacked("ref", torch.tensor([i]))[0, :n]
         assert torch.allclose(got.double(), want, atol=1e-4)
-    (a, b), (c, d) = r.segment_spans
+    (_, end_first), (start_last, _) = r.segment_spans
     stored = seg.values["ref"]
-    assert len(stored) == len(r.completion_ids) and stored[b:c].abs().sum() == 0 and b < c
+    assert len(stored) == len(r.completion_ids) and end_first < start_last
+    assert stored[end_first:start_last].abs().sum() == 0
 
 
 async def _continuing(client, task):
@@ -268,3 +268,20 @@ def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_se
            [(first.prompt_ids, first.completion_ids, first.loss_mask), (second.prompt_ids, [13, 14], [1, 1])]
     assert join_segments([first]) is first and first.segments == [first] and first.segment_spans == [(0, 4)]
     assert "--- segment 2: history rewritten, new prompt · 3 tokens ---" in format_episode(joined)
+
+
+def test_segments_train_through_the_asynchronous_pipeline(tmp_path):
+    from materl.runtime.train import train
+
+    step = ml.compile(recipe_for(rewriting_agent()), policy=ml.Agent("tiny-random", trainable=True),
+                      ref_policy=ml.Agent("tiny-random"), group_size=2, max_new_tokens=6, lr=1e-3, max_staleness=1)
+    try:
+        out = train(step, [{"prompt": "a"}, {"prompt": "b"}], steps=2, batch_size=1, run_dir=tmp_path,
+                    progress=False, tensorboard=False)
+    finally:
+        step.close()
+    history = out["history"]
+    # every learner row is an episode or an extra segment of one: episodes x mean segments
+    assert [h["trained_sequences"] for h in history] == [h["episodes"] * h["agent/segments/mean"] for h in history]
+    assert sum(h["agent/segments/mean"] for h in history) == 3.0  # 2 of the 4 episodes rewrote (every other one)
+    assert all(h["async/dropped_stale"] == 0.0 for h in history)
