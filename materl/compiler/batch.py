@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -81,7 +82,7 @@ class RowMap:
         """The one row map of several completion sets (``ref -> map``): segmented ones must agree."""
         segmented = {ref: m for ref, m in maps.items() if m.segmented}
         if not segmented:
-            return next(iter(maps.values()), None) or cls.identity(0)
+            return next(iter(maps.values()))
         first_ref, first = next(iter(segmented.items()))
         for ref, m in maps.items():
             if (m.episode, m.span) != (first.episode, first.span):
@@ -90,6 +91,14 @@ class RowMap:
                                    f"every forward (logprobs, values) of a recipe with segmented episodes must "
                                    f"read the same rollout")
         return first
+
+    @cached_property
+    def rows_of(self) -> dict[int, list[int]]:
+        """Episode -> its rows, in segment order."""
+        out: dict[int, list[int]] = {}
+        for row, e in enumerate(self.episode):
+            out.setdefault(e, []).append(row)
+        return out
 
     def row_value(self, value: Any, row: int, kind: Kind | None) -> Any:
         """Row ``row``'s part of its episode's ``value``: a Rollout's segment, a per-token value's
@@ -108,7 +117,7 @@ class RowMap:
         """Episode ``e``'s per-token value from its rows' (each cut to its segment's length; 0
         between segments)."""
         out = rows_R[0].new_zeros(self.tokens[e])
-        for row in (r for r, ep in enumerate(self.episode) if ep == e):
+        for row in self.rows_of[e]:
             start, stop = self.span[row]
             out[start:stop] = rows_R[row][:stop - start]
         return out

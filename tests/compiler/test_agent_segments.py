@@ -10,11 +10,13 @@ import pytest
 import torch
 
 import materl as ml
+from materl.compiler.batch import RowMap
 from materl.compiler.compiled import Compiled
 from materl.compiler.context import Run
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
 from materl.compiler.spec import Kind
+from materl.errors import CompileError
 from materl.rollout.types import SEGMENT_START
 
 EPS = 1e-6  # grpo's and process's eps, added to the std
@@ -268,6 +270,16 @@ def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_se
            [(first.prompt_ids, first.completion_ids, first.loss_mask), (second.prompt_ids, [13, 14], [1, 1])]
     assert join_segments([first]) is first and first.segments == [first] and first.segment_spans == [(0, 4)]
     assert "--- segment 2: history rewritten, new prompt · 3 tokens ---" in format_episode(joined)
+    # the learner's rows: segment rows of the joined episode, one of the plain one
+    rows = RowMap.of([joined, first])
+    assert (rows.episode, rows.segment, rows.span, rows.tokens) == ((0, 0, 1), (0, 1, 0), ((0, 4), (7, 9), (0, 4)),
+                                                                    (9, 4))
+    assert rows.row_value(torch.arange(9.0), 1, Kind.TOKENS).tolist() == [7.0, 8.0]
+    assert rows.row_value(0.5, 1, Kind.SCORE) == 0.5  # an outcome reward: the episode's, on every row
+    values = rows.episode_value(torch.tensor([[1.0, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 9]]), 0)
+    assert values.tolist() == [1, 2, 3, 4, 0, 0, 0, 5, 6]  # 0 on segment 2's prompt
+    with pytest.raises(CompileError, match="split differently"):  # two forwards reading rollouts split otherwise
+        RowMap.agreed({"rollout": rows, "other": RowMap.of([first, first])})
 
 
 def test_segments_train_through_the_asynchronous_pipeline(tmp_path):
