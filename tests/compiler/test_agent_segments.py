@@ -13,22 +13,26 @@ import materl as ml
 from materl.compiler.batch import RowMap
 from materl.compiler.compiled import Compiled
 from materl.compiler.context import Run
+from materl.compiler.kinds.gigpo_advantages import observation_anchor
+from materl.compiler.kinds.turn_advantages import turn_spans
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
 from materl.compiler.spec import Kind
 from materl.errors import CompileError
-from materl.rollout.types import SEGMENT_START
+from materl.rollout.types import SEGMENT_START, Rollout, Step, join_segments
+from materl.runtime.logging import format_episode
+from materl.runtime.train import train
 
 EPS = 1e-6  # grpo's and process's eps, added to the std
 
 
-def rewriting_agent(*, rewrite_every: int = 2):
-    """Two requests per episode. Every ``rewrite_every``-th episode to start drops request 1's
-    messages (its context "summarised" to one line): two segments. The others continue."""
+def rewriting_agent():
+    """Two requests per episode. Every other episode to start drops request 1's messages (its
+    context "summarised" to one line): two segments. The others continue: one."""
     calls = itertools.count()
 
     async def agent(client, task):
-        rewrite = next(calls) % rewrite_every == 0
+        rewrite = next(calls) % 2 == 0
         messages = [{"role": "user", "content": task["prompt"]}]
         first = await client.chat.completions.create(model="policy", messages=messages)
         if rewrite:
@@ -253,9 +257,6 @@ async def test_segments_survive_pickling_as_episodes_travel_to_ray_workers():
 
 
 def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_segments():
-    from materl.rollout.types import Rollout, Step, join_segments
-    from materl.runtime.logging import format_episode
-
     first = Rollout([1, 2], [Step("generate", [10, 11], [-0.1, -0.2], text="a"), Step("tool", [20]),
                              Step("generate", [12], [-0.3], text="b")])
     second = Rollout([3, 4, 5], [Step("generate", [13, 14], [-0.4, -0.5], text="c")])
@@ -270,6 +271,10 @@ def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_se
            [(first.prompt_ids, first.completion_ids, first.loss_mask), (second.prompt_ids, [13, 14], [1, 1])]
     assert join_segments([first]) is first and first.segments == [first] and first.segment_spans == [(0, 4)]
     assert "--- segment 2: history rewritten, new prompt · 3 tokens ---" in format_episode(joined)
+    # turn-level estimators count the segments' turns in order; GiGPO's state for segment 2's first
+    # turn is the prompt it started from: (first token, last token, last trained token) per turn
+    assert turn_spans(joined) == [(0, 2, 1), (3, 6, 3), (7, 8, 8)]
+    assert observation_anchor(joined, 2) == ("observation", 2, (3, 4, 5))
     # the learner's rows: segment rows of the joined episode, one of the plain one
     rows = RowMap.of([joined, first])
     assert (rows.episode, rows.segment, rows.span, rows.tokens) == ((0, 0, 1), (0, 1, 0), ((0, 4), (7, 9), (0, 4)),
@@ -283,8 +288,6 @@ def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_se
 
 
 def test_segments_train_through_the_asynchronous_pipeline(tmp_path):
-    from materl.runtime.train import train
-
     step = ml.compile(recipe_for(rewriting_agent()), policy=ml.Agent("tiny-random", trainable=True),
                       ref_policy=ml.Agent("tiny-random"), group_size=2, max_new_tokens=6, lr=1e-3, max_staleness=1)
     try:
