@@ -11,7 +11,10 @@ What each node does here is its implementation's ``prepare``/``learn`` (``materl
 
 The batch is a ``LearnerBatch`` (``batch.py``): token rows and every per-episode value the update
 reads, collated once, on the learner's device (its first trainable agent's), sliced per
-micro-batch. The optimizers are an ``OptimizerStep`` (``optimizers.Optimizers``) handed in.
+micro-batch. A row is an episode, or one segment of an agent episode whose history was rewritten
+(``batch.RowMap``): prepare's forwards, the update's micro-batches and the loss denominators run
+over rows; ``trained_sequences`` reports how many. The optimizers are an ``OptimizerStep``
+(``optimizers.Optimizers``) handed in.
 
 Which rows of a mini-batch this process computes, the denominators, how forwards through
 trainable weights run and how gradients meet are a ``Partition``: ``WholeBatch`` (one process,
@@ -31,12 +34,12 @@ from torch import Tensor
 
 from materl import compute
 from materl.compiler import graphs
-from materl.compiler.batch import LearnerBatch
+from materl.compiler.batch import LearnerBatch, RowMap
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode
+from materl.compiler.episode import Episode, as_rollout
 from materl.compiler.scheduler import call_batch
 from materl.compiler.sequences import SeqBatch, build_seq_batch
-from materl.compiler.spec import Role, output_of
+from materl.compiler.spec import Kind, Role, output_of
 from materl.errors import CompileError
 from materl.graph.node import Node, ref_node
 
@@ -109,10 +112,11 @@ class Learner:
         self.optimizers = optimizers
         self.partition = partition or WholeBatch()
         self.device = learner_device(run.agents)
-        self.batch = LearnerBatch(episodes, device=self.device, static=run.options.cuda_graphs)
+        self.batch = LearnerBatch(episodes, device=self.device, static=run.options.cuda_graphs, rows=self.row_map())
         self.timings: dict[str, float] = {}
         self.updates = 0  # optimizer steps taken on this batch: 0 while the weights are the step's start
-        self.batch_metrics: dict[str, float] = {}  # whole-batch metrics set by implementations, not averaged
+        # whole-batch metrics set by implementations, not averaged
+        self.batch_metrics: dict[str, float] = {"trained_sequences": float(len(self.batch))}
         self.scratch: dict[str, list] = {}  # what implementations gather across micro-batches (``gather``)
         self.finishers: dict[str, Callable[[list], dict[str, float]]] = {}
         self.padding = False  # the micro-step runs only to keep ranks in step (weight 0): gather nothing
@@ -123,7 +127,18 @@ class Learner:
         prompts_ref, comps_ref = self.sequence_refs(node)
         tokenizer = self.run.agent(node).tokenizer
         return self.batch.sequences((prompts_ref, comps_ref), lambda: build_seq_batch(
-            tokenizer, [e.resolve(prompts_ref) for e in self.episodes], [e.resolve(comps_ref) for e in self.episodes]))
+            tokenizer, self.batch.per_row([e.resolve(prompts_ref) for e in self.episodes], Kind.ROW),
+            self.batch.per_row([e.resolve(comps_ref) for e in self.episodes], Kind.ROLLOUT)))
+
+    def row_map(self) -> RowMap:
+        """The batch's rows: one per episode, or per segment of a rewritten agent episode, from
+        the completions the plan's forwards read (``RowMap.agreed``)."""
+        plan = self.plan
+        refs = {self.sequence_refs(plan.nodes[n])[1] for n in plan.order
+                if plan.role(n) is Role.FORWARD and (n in plan.prepare or n in plan.live)}
+        refs = {r for r in refs if all(ref_node(r) in e.values for e in self.episodes)}  # not made in prepare
+        return RowMap.agreed({ref: RowMap.of([_rollout_or_none(e.resolve(ref)) for e in self.episodes])
+                              for ref in sorted(refs)}) if refs else RowMap.identity(len(self.episodes))
 
     @staticmethod
     def sequence_refs(node: Node) -> tuple[str, str]:
@@ -149,7 +164,8 @@ class Learner:
                 impl, node = plan.impl(name), plan.nodes[name]
                 run = self.partition.forward if self.run.agent(node).trainable else _call
                 out = await compute.acall(run, partial(impl.prepare, self, node, live=name in plan.live))
-                for ep, row in zip(self.episodes, out if out is not None else ()):  # None: learn stores them
+                rows = self.batch.per_episode(out) if out is not None else ()  # None: learn stores them
+                for ep, row in zip(self.episodes, rows):
                     ep.store(name, row)
             elif name in plan.prepare:
                 for ep, value in zip(self.episodes, await call_batch(self.run, name, self.episodes)):
@@ -183,7 +199,7 @@ class Learner:
 
     def run_updates(self) -> dict[str, float]:
         o, part = self.run.options, self.partition
-        n = len(self.episodes)
+        n = len(self.batch)
         mini = o.mini_batch_size or n
         micro = o.micro_batch_size or mini
         gen = torch.Generator().manual_seed(o.seed + self.run.ctx.step)
@@ -246,6 +262,11 @@ class Learner:
 
 def _call(fn: Callable[[], T]) -> T:
     return fn()
+
+
+def _rollout_or_none(value):
+    """The Rollout a forward's completions are (None for offline text, e.g. DPO pairs)."""
+    return None if isinstance(value, str) else as_rollout(value)
 
 
 def learner_device(agents) -> torch.device:

@@ -16,8 +16,11 @@ SkyRL's docs describe comes from re-rendering the chat each turn).
 
 A request that does not extend it (the agent edited, dropped or reordered messages, or changed
 its tools) starts a new *segment*: a fresh prompt from its messages. Each segment is a Rollout
-of its own; ``rollout()`` returns the last one (the episode's final answer, what outcome rewards
-score) with every segment in ``metadata["segments"]`` and their count in ``metadata["num_segments"]``.
+of its own; ``rollout()`` returns the last one with every segment in ``metadata["segments"]`` and
+their count in ``metadata["num_segments"]``. ``episode()`` is what ``ml.agent_episodes`` yields:
+the whole episode as one turn sequence (``materl.rollout.types.join_segments``), so rewards and
+advantages see every segment's steps in order and the learner trains one row per segment
+(``Rollout.segments``); with one segment it is ``rollout()`` itself.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any
 
 from materl.errors import EpisodeError
 from materl.rollout.episode import EpisodeState, StepResult, append_turn
-from materl.rollout.types import Rollout, ToolResult
+from materl.rollout.types import Rollout, ToolResult, join_segments
 
 
 def message_text(content: Any) -> str:
@@ -169,3 +172,9 @@ class AgentTrace:
         last = segments[-1]
         last.metadata.update(segments=segments, num_segments=len(segments), requests=self.requests)
         return last
+
+    def episode(self) -> Rollout:
+        """The whole episode as one Rollout (module docstring), with the same metadata as
+        ``rollout()``; the last segment itself when the history was never rewritten."""
+        last = self.rollout()
+        return join_segments(last.metadata["segments"], metadata=last.metadata)

@@ -5,6 +5,16 @@ A ``Rollout`` is a prompt plus an ordered list of ``Step``s. A ``generate`` step
 tokens and their sampling log-probs and is trained on; a ``tool`` step holds the tokens that
 carried a tool's result (and the chat-template glue around it) and is never trained on.
 A single-turn completion is a Rollout with one generate step.
+
+An agent episode whose history was rewritten (``ml.agent_episodes``: a request that did not
+extend the previous one) has several *segments*, token sequences each with their own prompt.
+Its Rollout is the whole episode as one turn sequence (``join_segments``): segment 0's prompt and
+steps, then for each later segment an untrained ``tool`` step carrying the prompt that segment
+started from (marked ``metadata[SEGMENT_START]``), then its steps. Rewards and advantages read
+it like any multi-turn rollout; the learner trains one row per segment (``Rollout.segments``),
+whose tokens sit at ``Rollout.segment_spans`` in the episode's per-token values. The
+concatenation ``prompt_ids + completion_ids`` of such a Rollout is a record, not a sequence any
+forward runs on.
 """
 
 from __future__ import annotations
@@ -21,6 +31,9 @@ from typing import Any, Literal
 #   unavailable   the server is down, restarting past its start timeout, or the toolbox is closed
 ErrorKind = Literal["invalid_call", "tool", "timeout", "crash", "protocol", "unavailable"]
 ERROR_KINDS: tuple[str, ...] = ("invalid_call", "tool", "timeout", "crash", "protocol", "unavailable")
+# Step.metadata key of the untrained step that starts segment k >= 1 of a rewritten episode (its
+# token ids are that segment's prompt); the value is k (module docstring, ``join_segments``)
+SEGMENT_START = "segment_start"
 
 
 @dataclass
@@ -164,6 +177,35 @@ class Rollout:
     def num_turns(self) -> int:
         return len(self.generate_steps)
 
+    # -- segments (module docstring) --
+    @property
+    def segments(self) -> list[Rollout]:
+        """The token sequences the learner trains, one row each: ``[self]``, or for an episode
+        whose history was rewritten each segment's prompt and steps (sharing this Rollout's Step
+        objects)."""
+        if not any(s.metadata.get(SEGMENT_START) for s in self.steps):
+            return [self]
+        out = [Rollout(self.prompt_ids)]
+        for s in self.steps:
+            if s.metadata.get(SEGMENT_START):
+                out.append(Rollout(list(s.token_ids)))
+            else:
+                out[-1].steps.append(s)
+        return out
+
+    @property
+    def segment_spans(self) -> list[tuple[int, int]]:
+        """(start, stop) of each segment's completion in ``completion_ids``: where its learner row's
+        per-token values (rewards, advantages, log-probs) sit in the episode's; ``[(0, n)]``
+        without segments."""
+        spans, start, pos = [], 0, 0
+        for s in self.steps:
+            if s.metadata.get(SEGMENT_START):
+                spans.append((start, pos))
+                start = pos + len(s.token_ids)
+            pos += len(s.token_ids)
+        return spans + [(start, pos)]
+
     def step_rewards(self) -> list[float]:
         """Per completion token: each step's reward on its last token, 0 elsewhere."""
         out = [0.0] * len(self.completion_ids)
@@ -177,3 +219,17 @@ def last_user_message(messages: list[dict[str, Any]]) -> str:
     """The content of the last ``user`` message ("" without one): a chat prompt's question."""
     users = [m.get("content", "") for m in messages if m.get("role") == "user"]
     return str(users[-1]) if users else ""
+
+
+def join_segments(segments: list[Rollout], *, metadata: dict[str, Any] | None = None) -> Rollout:
+    """The episode of ``segments`` as one Rollout (module docstring): segment 0's prompt, every
+    segment's steps in order, each later segment's prompt as an untrained step before its own,
+    the last segment's messages. One segment is returned as it is."""
+    if len(segments) == 1:
+        return segments[0]
+    steps = list(segments[0].steps)
+    for k, seg in enumerate(segments[1:], start=1):
+        steps.append(Step("tool", list(seg.prompt_ids), metadata={SEGMENT_START: k}))
+        steps.extend(seg.steps)
+    return Rollout(list(segments[0].prompt_ids), steps, prompt_text=segments[0].prompt_text,
+                   messages=list(segments[-1].messages), metadata=dict(metadata or {}))

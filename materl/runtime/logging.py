@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from materl.errors import ConfigError
+from materl.rollout.types import SEGMENT_START
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "plot.png"
@@ -416,6 +417,10 @@ def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str,
                     lines.append(f"  ! malformed tool call: {call.error} | raw: {_clip(call.raw)}")
                 else:
                     lines.append(f"  > tool call {call.name}({json.dumps(call.arguments, ensure_ascii=False)})")
+        elif step.metadata.get(SEGMENT_START):  # an agent rewrote its history: the new segment's prompt
+            lines.append(f"--- segment {step.metadata[SEGMENT_START] + 1}: history rewritten, new prompt · "
+                         f"{_step_facts(step)} ---")
+            lines.append(_text(step, tokenizer))
         else:
             lines.append(f"--- tool · {_step_facts(step)} ---")
             for res in step.tool_results:

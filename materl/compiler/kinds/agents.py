@@ -7,11 +7,16 @@ OpenAI-compatible endpoint that the policy's engine serves (``materl.rollout.end
 Each episode gets its own API key and an ``openai.AsyncOpenAI`` client for it; the agent's
 requests are sampled by the policy's engine (any engine: through ``model_turn``, like
 ``generate_step``) with the episode's seed schedule (request k samples with the seed of turn k).
-Its value is the Rollout of the requests' exact token ids (``AgentTrace``), with the agent's
-return value in ``rollout.metadata["result"]``; rewards, advantages and the learner take it like
-``structure_rollout``'s; ``request_reward=`` scores each request (a step reward on its last
-token, read by ``ml.reward("step_rewards")``). An agent that raises, sends a request the endpoint refuses, or runs past
-``episode_timeout_s`` fails its own episode, with the error recorded.
+Its value is the Rollout of the requests' exact token ids (``AgentTrace.episode``), with the
+agent's return value in ``rollout.metadata["result"]``; rewards, advantages and the learner take it
+like ``structure_rollout``'s; ``request_reward=`` scores each request (a step reward on its last
+token, read by ``ml.reward("step_rewards")``). An agent that raises, sends a request the endpoint
+refuses, or runs past ``episode_timeout_s`` fails its own episode, with the error recorded.
+
+When the agent rewrote its history the Rollout holds every segment's steps in order, one turn
+sequence (``materl.rollout.types.join_segments``): rewards, groups and the advantage estimator see
+the episode once, and the learner trains each segment as a row of its own carrying the episode's
+per-token advantages at its tokens (``materl.compiler.batch``). ``agent/segments`` counts them.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
     if session.errors:
         raise EpisodeError(f"agent {_name(node)!r} sent {len(session.errors)} request(s) the endpoint refused; "
                            f"first: {session.errors[0]}")
-    rollout = session.trace.rollout()
+    rollout = session.trace.episode()
     rollout.metadata["result"] = result
     if node.params.get("request_reward") is not None:
         await _request_rewards(node.params["request_reward"], session.trace, task_of(ep))

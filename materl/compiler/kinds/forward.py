@@ -102,7 +102,7 @@ def defers_proximal(learner, node: Node) -> bool:
     and no prepare node reads them; one process (learner ranks each run a share of the rows)."""
     from materl.compiler.learner import WholeBatch
 
-    o, plan, n = learner.run.options, learner.plan, len(learner.episodes)
+    o, plan, n = learner.run.options, learner.plan, len(learner.batch)  # rows
     return (recomputes(node) and node.name in plan.live and o.epochs == 1 and not o.shuffle
             and isinstance(learner.partition, WholeBatch)
             and (o.mini_batch_size or n) >= n
