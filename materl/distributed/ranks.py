@@ -71,10 +71,10 @@ class RankedLearner:
     async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
         """``Compiled.learn`` with the update on the ranks (in a thread: rollouts go on meanwhile)."""
         c = self.compiled
-        metrics = c.rollout_metrics(episodes)
-        metrics.update(c.failures.metrics(episodes))
-        c.failures.check(episodes, step=c.step_count + 1)
-        c.failures.check_update(episodes, step=c.step_count + 1)
+        metrics, update = c.assess(episodes)
+        if not update:  # nothing to learn after tool infrastructure failures: the ranks count the step too
+            await anyio.to_thread.run_sync(self.group.skip)
+            return c.skip(episodes, metrics | {"time/rollout": rollout_s or 0.0})
         ok = [e for e in episodes if e.ok]
         c.last_episodes = ok
         lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in c.optimizers.items()}
