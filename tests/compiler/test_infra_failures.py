@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
 import materl as ml
 from materl.compiler.episode import Episode
 from materl.compiler.failures import INFRA_ERROR_KINDS, Failure, FailurePolicy, mark_infra_failure
@@ -19,6 +21,8 @@ from materl.errors import StepFailedError
 from materl.ops.advantages import grpo
 from materl.rollout.episode import StepResult
 from materl.rollout.types import ERROR_KINDS, ToolCall
+from materl.runtime.checkpoint import load_checkpoint
+from materl.runtime.train import train
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = [sys.executable, str(ROOT / "tests/tools/faulty_server.py")]
@@ -195,6 +199,52 @@ def test_a_step_left_empty_for_other_reasons_still_stops_the_run():
     assert policy.check_update([make(group=0, excluded="tool infrastructure failure (timeout)")], step=3) is False
     assert policy.skipped == 1
     assert policy.check_update([make(group=0)], step=4) is True and policy.skipped == 0
+
+
+def train_through_an_outage(run_dir, *, learner_ranks=1, **options):
+    """``ml.train`` over prompts p0, p1, p2 (one a step, in order) whose step-1 calls all hang."""
+    step = compiled({"p0": ["hang"] * 3}, seed=0, **options)
+    try:
+        start = weights(step)
+        out = train(step, [{"prompt": f"p{i}"} for i in range(3)], steps=3, batch_size=1, shuffle=False,
+                    lr_schedule="linear", save_every=1, run_dir=run_dir, progress=False, tensorboard=False,
+                    learner_ranks=learner_ranks)
+        return out, start, weights(step)
+    finally:
+        step.close()
+
+
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_ml_train_counts_the_skipped_step_and_goes_on(tmp_path, max_staleness):
+    # step 1 skipped: logged, the linear schedule advances (1e-2, then 2/3 and 1/3 of it), its
+    # checkpoint holds the starting weights; steps 2 and 3 train. The asynchronous pipeline
+    # (max_staleness=1) goes on too: step 1's version (1) is published with the same weights.
+    out, start, end = train_through_an_outage(tmp_path / "run", max_staleness=max_staleness)
+    history = out["history"]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["infra_failures/update_skipped"] for h in history] == [1.0, 0.0, 0.0]
+    assert [h["lr"] for h in history] == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
+    assert "loss" not in history[0] and all("loss" in h for h in history[1:])
+    first = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001", fallback=False)
+    saved = load_file(str(Path(first.path) / "agents" / "policy" / "model.safetensors"))
+    assert saved.keys() == start.keys() and all(torch.equal(saved[k], start[k]) for k in saved)
+    assert any(not torch.equal(end[k], start[k]) for k in start)
+
+
+@pytest.mark.slow  # starts a local Ray cluster and two learner ranks: ~45 s on a busy 2-core machine
+def test_learner_ranks_count_the_skipped_step_too(tmp_path):
+    # 2 DDP learner ranks on a local Ray cluster: the skipped step advances their version with the
+    # driver's (step 2 trains to version 2), and the driver's weights stay until then
+    pytest.importorskip("ray")
+    out, start, end = train_through_an_outage(tmp_path / "run", learner_ranks=2)
+    history = out["history"]
+    assert [h["infra_failures/update_skipped"] for h in history] == [1.0, 0.0, 0.0]
+    assert [h.get("version") for h in history] == [None, 2.0, 3.0] and history[1]["ranks"] == 2.0
+    assert [h["lr"] for h in history] == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
+    first = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001", fallback=False)
+    saved = load_file(str(Path(first.path) / "agents" / "policy" / "model.safetensors"))
+    assert all(torch.equal(saved[k], start[k]) for k in saved)
+    assert any(not torch.equal(end[k], start[k]) for k in start)
 
 
 def make(*, group, **fields):
