@@ -15,6 +15,9 @@ follow the policy are updated here as on the ranks, and ``pull_state`` copies th
 optimizer states into the driver's optimizers for a checkpoint. The LR schedule steps the
 driver's optimizers; each step sends their learning rates to the ranks.
 
+A step that tool infrastructure failures left nothing to learn from (``Compiled.assess``) is
+skipped here and on the ranks alike: no update, every version advances.
+
 A rank that dies stops the run: ``learn`` raises ``LearnerRankError`` naming it, nothing of
 that step is kept, and the last checkpoint is the one to resume from.
 """
