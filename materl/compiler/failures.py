@@ -8,8 +8,9 @@ for a bug that fails all of them: a run that "trains" on nothing for hours and e
 ``FailurePolicy`` (compile option ``max_failed_fraction``, default 0.5): a step in which more
 than that fraction of its episodes failed raises ``StepFailedError``, whose message shows the
 first error of each distinct kind (node, error type) with its count; so does a step that made no
-update at all, except after an outage (below). Below the threshold, each new kind is logged once per compiled step (not every
-step) and every step's metrics count failures per kind (``failures/<node>/<ErrorType>``).
+update at all, except after an outage (below). Below the threshold, each new kind is logged once
+per compiled step (not every step) and every step's metrics count failures per kind
+(``failures/<node>/<ErrorType>``).
 (TRL raises on the first reward error; verl's DAPO raises once it cannot fill a batch.)
 
 Infrastructure failures (compile option ``infra_failures``). A tool call that failed for a reason
@@ -31,7 +32,8 @@ run: a warning names the step and the failure kinds, no optimizer step is taken,
 counted like any other (its number, the policy version, the LR schedule, logging and checkpoints
 advance; weights, optimizer states and reference policies stay), with
 ``infra_failures/update_skipped`` = 1 in its metrics (0 on other steps). One skipped step more in a
-row than ``max_skipped_steps`` raises ``StepFailedError`` naming the limit. The schedule advances
+row than ``max_skipped_steps`` raises ``StepFailedError`` naming the limit (the count is this
+process's: a resumed run starts it again). The schedule advances
 as verl's does when it skips an optimizer step over a non-finite gradient norm (it still steps
 its LR scheduler), so step k trains with the LR planned for step k, outage or not; TRL's Trainer
 counts such a step but holds its scheduler back (accelerate's ``optimizer_step_was_skipped``).
@@ -119,12 +121,13 @@ class FailurePolicy:
             f"{masked} left out after tool infrastructure failures (infra_failures='mask'; "
             f"{_kinds(episodes)})"] * bool(masked)
         message = f"step {step} made no update: of {len(episodes)} episodes, {', '.join(why) or 'none ran'}"
-        if masked and not filtered and self.skipped < self.max_skipped_steps:
+        outage = masked > 0 and not filtered  # nothing else took the episodes away
+        if outage and self.skipped < self.max_skipped_steps:
             self.skipped += 1
             log.warning("%s; the step is skipped (no optimizer step; %d in a row of at most max_skipped_steps=%d) "
                         "and the run goes on", message, self.skipped, self.max_skipped_steps)
             return False
-        if masked and not filtered:
+        if outage:
             message += (f"\nsteps in a row without an update after tool infrastructure failures: {self.skipped + 1}, "
                         f"more than max_skipped_steps={self.max_skipped_steps}; to ride out a longer outage raise it "
                         f"(compile option max_skipped_steps, compile.max_skipped_steps in a config)")

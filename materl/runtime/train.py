@@ -68,9 +68,9 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     stays the last good one. A step that tool infrastructure failures left nothing to learn from
     (compile options ``infra_failures="mask"``, ``max_skipped_steps``) makes no update but is
     counted like any other: logged (``infra_failures/update_skipped`` = 1), the LR schedule
-    advances, a checkpoint falls due as usual. ``progress``: a bar over steps, and one over each step's episodes
-    and each evaluation's. ``wandb``/``mlflow``: also send every metric there (ConfigError if
-    the package is not installed).
+    advances, a checkpoint falls due as usual. ``progress``: a bar over steps, and one over each
+    step's episodes and each evaluation's. ``wandb``/``mlflow``: also send every metric there
+    (ConfigError if the package is not installed).
 
     Steps run through ``materl.distributed.pipeline.Pipeline``: with the compile option
     ``max_staleness=S > 0`` the rollouts of the next S batches run while the learner trains (the
