@@ -2,7 +2,9 @@
 ``infra_failures``), with the real fault-injecting MCP server (tests/tools/faulty_server.py): a
 call that hangs past ``tool_timeout_s`` is a timeout, a server that exits mid-call a crash. The
 tiny random model never writes a tool call, so an async op gives turn 1 one; per group, the first
-calls to arrive get the faulty tool (which episode gets it is up to scheduling; how many is not)."""
+calls to arrive get the faulty tool (which episode gets it is up to scheduling; how many is not).
+A step that every episode's failure left with nothing to learn from is skipped, and the run goes
+on (compile option ``max_skipped_steps``), through ``run``, ``ml.train`` and learner ranks."""
 
 import dataclasses
 import sys
@@ -11,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from safetensors.torch import load_file
 
 import materl as ml
@@ -178,7 +179,8 @@ def test_max_skipped_steps_0_stops_at_the_first_outage_step():
     try:
         with pytest.raises(StepFailedError, match=r"made no update: of 3 episodes, 3 left out after tool "
                                                   r"infrastructure failures \(infra_failures='mask'; 1 x crash, "
-                                                  r"2 x timeout\)\nsteps in a row .*: 1, more than max_skipped_steps=0"):
+                                                  r"2 x timeout\)\nsteps in a row .*: 1, more than "
+                                                  r"max_skipped_steps=0"):
             step.run(prompts=["p0"])
     finally:
         step.close()
@@ -199,6 +201,10 @@ def test_a_step_left_empty_for_other_reasons_still_stops_the_run():
     assert policy.check_update([make(group=0, excluded="tool infrastructure failure (timeout)")], step=3) is False
     assert policy.skipped == 1
     assert policy.check_update([make(group=0)], step=4) is True and policy.skipped == 0
+    # one episode failed (within max_failed_fraction=0.5), the other two hit the outage: skipped
+    outage = [make(group=0, excluded="tool infrastructure failure (unavailable)") for _ in range(2)]
+    policy.check([failed, *outage], step=5)
+    assert policy.check_update([failed, *outage], step=5) is False and policy.skipped == 1
 
 
 def train_through_an_outage(run_dir, *, learner_ranks=1, **options):
