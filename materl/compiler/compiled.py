@@ -68,7 +68,8 @@ class Compiled:
         self.timings: dict[str, float] = {}
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
-        self.failures = FailurePolicy(options.max_failed_fraction)
+        self.failures = FailurePolicy(options.max_failed_fraction, max_skipped_steps=options.max_skipped_steps)
+        self._optimizer_state_made = False  # AdamW states are made before the first update
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
         self._started_tools: list = []  # toolboxes this step started (and stops on close)
         self.optimizer_set = Optimizers.for_agents(agents, options)
@@ -168,20 +169,21 @@ class Compiled:
 
     async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
         """The learner stage on finished episodes (``rollout_s``: how long their rollout took,
-        reported as ``time/rollout``): failure policy, prepare, updates, weight sync, references."""
+        reported as ``time/rollout``): failure policy, prepare, updates, weight sync, references.
+        A step that tool infrastructure failures left nothing to learn from is ``skip``ped."""
         if rollout_s is not None:  # a pipeline's step: the rollout ran elsewhere
             self.timings = {"stage/rollout": rollout_s}
+        metrics, update = self.assess(episodes)
+        if not update:
+            return self.skip(episodes, metrics | {f"time/{k}": v for k, v in self.timings.items()})
         ok = [e for e in episodes if e.ok]
-        metrics = self.rollout_metrics(episodes)
-        metrics.update(self.failures.metrics(episodes))
-        self.failures.check(episodes, step=self.step_count + 1)
-        self.failures.check_update(episodes, step=self.step_count + 1)
         self.last_episodes = ok
         agents = {id(a): a for a in self.agents.values()}.values()
         for agent in agents:
             agent.sleep_engine()  # the rollout stage is over: free decode-only memory
-        if self.step_count == 0:
+        if not self._optimizer_state_made:
             await compute.acall(self.optimizer_set.init_state)
+            self._optimizer_state_made = True
         learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_set)
         t0 = time.perf_counter()
         await learner.prepare()
@@ -195,6 +197,31 @@ class Compiled:
                 agent.policy_version = self.step_count
         await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
+        metrics["step"] = self.step_count
+        return metrics
+
+    def assess(self, episodes: list[Episode]) -> tuple[dict[str, float], bool]:
+        """A finished batch's rollout and failure metrics, and whether it makes an update: the
+        failure policy raises ``StepFailedError`` for a step that failed too much, and says False
+        for one that tool infrastructure failures left nothing to learn from (``check_update``);
+        ``infra_failures/update_skipped`` is 1 for that step, 0 for the others."""
+        metrics = self.rollout_metrics(episodes)
+        metrics.update(self.failures.metrics(episodes))
+        self.failures.check(episodes, step=self.step_count + 1)
+        update = self.failures.check_update(episodes, step=self.step_count + 1)
+        metrics["infra_failures/update_skipped"] = float(not update)
+        return metrics, update
+
+    def skip(self, episodes: list[Episode], metrics: dict[str, float]) -> dict[str, float]:
+        """A step without an update, counted like any other: the step count (and with it the
+        policy version, so an asynchronous pipeline goes on) advances; weights, optimizer states
+        and references stay as they are. ``last_episodes`` are the ones that ran (their samples
+        show the outage)."""
+        self.last_episodes = [e for e in episodes if e.error is None]
+        self.step_count += 1
+        for agent in {id(a): a for a in self.agents.values()}.values():
+            if agent.trainable:
+                agent.policy_version = self.step_count  # the same weights under the step's version
         metrics["step"] = self.step_count
         return metrics
 

@@ -8,8 +8,9 @@ for a bug that fails all of them: a run that "trains" on nothing for hours and e
 ``FailurePolicy`` (compile option ``max_failed_fraction``, default 0.5): a step in which more
 than that fraction of its episodes failed raises ``StepFailedError``, whose message shows the
 first error of each distinct kind (node, error type) with its count; so does a step that made no
-update at all. Below the threshold, each new kind is logged once per compiled step (not every
-step) and every step's metrics count failures per kind (``failures/<node>/<ErrorType>``).
+update at all, except after an outage (below). Below the threshold, each new kind is logged once
+per compiled step (not every step) and every step's metrics count failures per kind
+(``failures/<node>/<ErrorType>``).
 (TRL raises on the first reward error; verl's DAPO raises once it cannot fill a batch.)
 
 Infrastructure failures (compile option ``infra_failures``). A tool call that failed for a reason
@@ -23,6 +24,19 @@ the step's metrics count failed calls per kind (``infra_failures/<kind>``), the 
 (``infra_failures/episodes_masked``) and the groups dropped (``infra_failures/groups_dropped``).
 (rLLM #710: time-limited episodes trained as done; NeMo-Gym #3351: masked rows still entered the
 group baseline.)
+
+An outage (compile option ``max_skipped_steps``, default 3). A step in which no episode is left
+to learn from only because ``"mask"`` left them out (every other episode failed within
+``max_failed_fraction``; none was filtered by dynamic sampling) is skipped, not the end of the
+run: a warning names the step and the failure kinds, no optimizer step is taken, and the step is
+counted like any other (its number, the policy version, the LR schedule, logging and checkpoints
+advance; weights, optimizer states and reference policies stay), with
+``infra_failures/update_skipped`` = 1 in its metrics (0 on other steps). One skipped step more in a
+row than ``max_skipped_steps`` raises ``StepFailedError`` naming the limit (the count is this
+process's: a resumed run starts it again). The schedule advances
+as verl's does when it skips an optimizer step over a non-finite gradient norm (it still steps
+its LR scheduler), so step k trains with the LR planned for step k, outage or not; TRL's Trainer
+counts such a step but holds its scheduler back (accelerate's ``optimizer_step_was_skipped``).
 """
 
 from __future__ import annotations
@@ -64,8 +78,10 @@ class Failure:
 class FailurePolicy:
     """Counts a step's failures, logs new kinds once, and stops a step that failed too much."""
 
-    def __init__(self, max_failed_fraction: float):
+    def __init__(self, max_failed_fraction: float, *, max_skipped_steps: int = 3):
         self.max_failed_fraction = max_failed_fraction
+        self.max_skipped_steps = max_skipped_steps
+        self.skipped = 0  # steps in a row skipped after tool infrastructure failures
         self._logged: set[tuple[str, str]] = set()
 
     def metrics(self, episodes: Sequence[Any]) -> dict[str, float]:
@@ -90,10 +106,13 @@ class FailurePolicy:
                 f"{self.max_failed_fraction:g}); the run stops rather than train on what is left\n"
                 + summarize(failures))
 
-    def check_update(self, episodes: Sequence[Any], *, step: int) -> None:
-        """Raise ``StepFailedError`` when no episode is left to learn from."""
+    def check_update(self, episodes: Sequence[Any], *, step: int) -> bool:
+        """True when some episode is left to learn from. False when none is, only because tool
+        infrastructure failures left them out (an outage: the step is skipped, with a warning),
+        up to ``max_skipped_steps`` such steps in a row; otherwise ``StepFailedError``."""
         if any(e.ok for e in episodes):
-            return
+            self.skipped = 0
+            return True
         failures = _failures(episodes)
         filtered = sum(1 for e in episodes if e.error is None and e.filtered)
         masked = sum(1 for e in episodes if e.error is None and not e.filtered and e.excluded is not None)
@@ -101,8 +120,18 @@ class FailurePolicy:
             f"{filtered} filtered by dynamic sampling (their group's rewards were all equal)"] * bool(filtered) + [
             f"{masked} left out after tool infrastructure failures (infra_failures='mask'; "
             f"{_kinds(episodes)})"] * bool(masked)
-        raise StepFailedError(f"step {step} made no update: of {len(episodes)} episodes, {', '.join(why) or 'none ran'}"
-                              + ("\n" + summarize(failures) if failures else ""))
+        message = f"step {step} made no update: of {len(episodes)} episodes, {', '.join(why) or 'none ran'}"
+        outage = masked > 0 and not filtered  # nothing else took the episodes away
+        if outage and self.skipped < self.max_skipped_steps:
+            self.skipped += 1
+            log.warning("%s; the step is skipped (no optimizer step; %d in a row of at most max_skipped_steps=%d) "
+                        "and the run goes on", message, self.skipped, self.max_skipped_steps)
+            return False
+        if outage:
+            message += (f"\nsteps in a row without an update after tool infrastructure failures: {self.skipped + 1}, "
+                        f"more than max_skipped_steps={self.max_skipped_steps}; to ride out a longer outage raise it "
+                        f"(compile option max_skipped_steps, compile.max_skipped_steps in a config)")
+        raise StepFailedError(message + ("\n" + summarize(failures) if failures else ""))
 
 
 def summarize(failures: Sequence[Failure]) -> str:

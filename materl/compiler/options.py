@@ -41,6 +41,9 @@ class CompileOptions(BaseModel):
     infra_failures: Literal["mask", "keep"] = Field(
         "mask", description="episodes with a tool call that failed for a reason not the model's (timeout, crash, "
         "protocol, unavailable): 'mask' leaves them out of the update and their group's baseline, 'keep' trains on them")
+    max_skipped_steps: int = Field(3, ge=0, description="steps in a row that may make no update because every "
+                                   "episode was left out after tool infrastructure failures (an outage); one more "
+                                   "stops the run")
     # asynchronous training (ml.train / materl train; run() is one lock-step step)
     max_staleness: int = Field(0, ge=0, description="rollouts may run this many policy versions ahead of "
                                                     "the learner; 0: lock-step")

@@ -239,6 +239,13 @@ class DistributedLearner:
                         "ranks": float(self.world_size), "version": float(self.version)})
         return StepResult(self.version, metrics, Weights(self.version, weights) if self.rank == 0 else None)
 
+    def skip(self) -> int:
+        """Count a step that made no update (tool infrastructure failures left it nothing to learn
+        from; ``FailurePolicy.check_update``): the version advances, the weights and optimizer
+        states do not. Returns the new version."""
+        self.version += 1
+        return self.version
+
     def set_lrs(self, lrs: Mapping[str, list[float]]) -> None:
         for name, values in lrs.items():
             groups = self.optimizers[name].param_groups if name in self.optimizers else None

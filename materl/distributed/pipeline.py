@@ -16,7 +16,9 @@ is lock-step training, bit for bit ``Compiled.run`` per step.
   dropped with its whole group and counted (``async/dropped_stale``); the dispatch rule keeps
   this from happening unless a worker fell behind.
 - Faults: a job whose worker dies is run again on another worker (``async/requeued``); the
-  event is logged. A step whose episodes fail is judged by the compiled step's failure policy.
+  event is logged. A step whose episodes fail is judged by the compiled step's failure policy;
+  one that a tool outage left nothing to learn from is skipped and still publishes its version
+  (the same weights), so the batches waiting for it go on.
 - Learner: ``compiled.learn`` in this process, or ``learner=`` an object with the same
   ``async learn(episodes, rollout_s=)`` (``ranks.RankedLearner``: R data-parallel ranks on Ray)
   that leaves the new weights in ``compiled``'s agents and its step count, published from there.

@@ -15,6 +15,9 @@ follow the policy are updated here as on the ranks, and ``pull_state`` copies th
 optimizer states into the driver's optimizers for a checkpoint. The LR schedule steps the
 driver's optimizers; each step sends their learning rates to the ranks.
 
+A step that tool infrastructure failures left nothing to learn from (``Compiled.assess``) is
+skipped here and on the ranks alike: no update, every version advances.
+
 A rank that dies stops the run: ``learn`` raises ``LearnerRankError`` naming it, nothing of
 that step is kept, and the last checkpoint is the one to resume from.
 """
@@ -71,10 +74,10 @@ class RankedLearner:
     async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
         """``Compiled.learn`` with the update on the ranks (in a thread: rollouts go on meanwhile)."""
         c = self.compiled
-        metrics = c.rollout_metrics(episodes)
-        metrics.update(c.failures.metrics(episodes))
-        c.failures.check(episodes, step=c.step_count + 1)
-        c.failures.check_update(episodes, step=c.step_count + 1)
+        metrics, update = c.assess(episodes)
+        if not update:  # nothing to learn after tool infrastructure failures: the ranks count the step too
+            await anyio.to_thread.run_sync(self.group.skip)
+            return c.skip(episodes, metrics | {"time/rollout": rollout_s or 0.0})
         ok = [e for e in episodes if e.ok]
         c.last_episodes = ok
         lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in c.optimizers.items()}

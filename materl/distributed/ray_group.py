@@ -84,6 +84,9 @@ class _Rank:
     def step(self, episodes: list[Episode], ctx: StepContext, lrs: Mapping[str, list[float]] | None = None) -> StepResult:
         return self.learner.step(episodes, ctx, lrs)
 
+    def skip(self) -> int:
+        return self.learner.skip()
+
     def state(self) -> LearnerState | None:
         return self.learner.state()
 
@@ -126,6 +129,10 @@ class LearnerGroup:
         results = self._all(f"the step to version {self.version + 1}", lambda a, r: a.step.remote(eps, context, lrs))
         self.version = results[0].version
         return results[0]
+
+    def skip(self) -> None:
+        """Every rank counts a step that made no update (``DistributedLearner.skip``)."""
+        self.version = self._all(f"skipping the step to version {self.version + 1}", lambda a, r: a.skip.remote())[0]
 
     def state(self) -> LearnerState:
         """The full model and optimizer states (for a checkpoint: ``runtime.checkpoint`` saves

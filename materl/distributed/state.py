@@ -25,7 +25,7 @@ from materl.errors import ConfigError
 
 @dataclass(frozen=True)
 class Weights:
-    """The trainable weights after update ``version`` (version n: n optimizer steps taken):
+    """The trainable weights after step ``version`` (version n: n steps taken, a skipped one too):
     agent name -> parameter name (as in ``agent.model.named_parameters()``) -> CPU tensor.
     LoRA agents publish their adapters (and value head), full fine-tuning every parameter."""
     version: int

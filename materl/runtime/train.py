@@ -65,9 +65,12 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     Seeds torch, Python's ``random`` and numpy's global RNG with ``seed`` (reward code that uses
     any of them reproduces). A step whose episodes fail too often raises ``StepFailedError``
     (compile option ``max_failed_fraction``): nothing is saved for it, so the last checkpoint
-    stays the last good one. ``progress``: a bar over steps, and one over each step's episodes
-    and each evaluation's. ``wandb``/``mlflow``: also send every metric there (ConfigError if
-    the package is not installed).
+    stays the last good one. A step that tool infrastructure failures left nothing to learn from
+    (compile options ``infra_failures="mask"``, ``max_skipped_steps``) makes no update but is
+    counted like any other: logged (``infra_failures/update_skipped`` = 1), the LR schedule
+    advances, a checkpoint falls due as usual. ``progress``: a bar over steps, and one over each
+    step's episodes and each evaluation's. ``wandb``/``mlflow``: also send every metric there
+    (ConfigError if the package is not installed).
 
     Steps run through ``materl.distributed.pipeline.Pipeline``: with the compile option
     ``max_staleness=S > 0`` the rollouts of the next S batches run while the learner trains (the
@@ -176,8 +179,8 @@ class _Run:
         """Step ``k``'s bookkeeping: LR schedule, logs, samples, evaluation, checkpoint."""
         step = k + 1
         self.logger.end_step_bar(step)
-        with warnings.catch_warnings():  # with learner ranks the driver's optimizers do not step themselves
-            if self.ranks is not None:
+        with warnings.catch_warnings():  # with learner ranks, or on a skipped step, the optimizers did not step
+            if self.ranks is not None or metrics.get("infra_failures/update_skipped"):
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
             for s in self.schedulers.values():
                 s.step()

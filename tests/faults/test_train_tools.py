@@ -5,7 +5,8 @@ if it had asked for it), and whose rewards read that call's result.
 
 - an HTTP calculator server (its own process, on a fixed port) is SIGKILLed while the run holds
   in step 2's update and restarted once a step has logged the outage: the run exits 0, every
-  step is in metrics.jsonl, the outage steps count ``infra_failures/unavailable``, the last
+  step is in metrics.jsonl, the outage steps count ``infra_failures/unavailable``, the step the
+  outage left with nothing to learn from is skipped (``infra_failures/update_skipped``), the last
   steps' calls succeed again and the last checkpoint verifies.
 - the python sandbox server runs, in every episode, the attacks of test_tools_sandbox.py (memfd,
   SysV shm, a big /dev/shm write, AF_VSOCK, /proc/self/mountinfo): the run exits 0, every step's
@@ -177,10 +178,9 @@ def test_http_tool_server_restarted_during_training(tmp_path, monkeypatch):
     # held 1.5 s in step 2's update (step 1 saved, step 2's calls answered): the server dies there,
     # so step 3's calls find it gone and fail as 'unavailable' after waiting reconnect_s = 3 s each,
     # side by side (test_tools_http_restart.py::test_calls_in_flight_during_an_outage_wait_side_by_side).
-    # 'keep': a step whose every episode hit the outage would otherwise have nothing to train on
-    # (all masked) and stop the run with StepFailedError, by design.
-    child, run_dir = start_run(tmp_path, "learner", *sets, "--set", "compile.infra_failures=keep",
-                               "--set", "logging.samples_every=1", pause=1.5, steps=8)
+    # The default infra_failures="mask" leaves those episodes out: step 3 has nothing to learn from
+    # and is skipped (no update), and the run goes on (max_skipped_steps=3 in a row).
+    child, run_dir = start_run(tmp_path, "learner", *sets, "--set", "logging.samples_every=1", pause=1.5, steps=8)
     try:
         servers[0].send_signal(signal.SIGKILL)
         servers[0].wait()
@@ -205,6 +205,12 @@ def test_http_tool_server_restarted_during_training(tmp_path, monkeypatch):
     assert outage[0] == 3 and outage == list(range(3, outage[-1] + 1)), outage  # from the first step after the kill
     # 4 episodes a step (2 prompts x group_size 2): step 3 ran wholly in the outage
     assert steps[2]["infra_failures/unavailable"] == 4.0 and steps[2]["reward/calc_ok/mean"] == 0.0
+    assert steps[2]["infra_failures/episodes_masked"] == 4.0 and steps[2]["infra_failures/update_skipped"] == 1.0
+    assert "loss" not in steps[2] and "loss" in steps[-1]  # the skipped step took no optimizer step
+    skipped = [r["step"] for r in steps if r["infra_failures/update_skipped"] == 1.0]
+    assert set(skipped) <= set(outage) and steps[-1]["infra_failures/update_skipped"] == 0.0, skipped
+    said = " ".join(err.split())  # the warning, as the log handler wrapped it
+    assert "step 3 made no update" in said and "4 x unavailable); the step is skipped" in said, err[-3000:]
     assert steps[0]["reward/calc_ok/mean"] == steps[1]["reward/calc_ok/mean"] == 1.0
     assert steps[-1]["reward/calc_ok/mean"] == 1.0 and "infra_failures/unavailable" not in steps[-1]
     assert outage[-1] < 8  # the server was used again

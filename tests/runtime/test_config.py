@@ -41,6 +41,8 @@ def test_defaults_and_compile_options():
     # seed defaults to train.seed; YAML lists become the tuple CompileOptions wants
     assert (opts.group_size, opts.seed, opts.betas) == (3, 7, (0.8, 0.9))
     assert validate_config({"train": {"seed": 7}, "compile": {"seed": 1}}).compile_options().seed == 1
+    assert (opts.infra_failures, opts.max_skipped_steps) == ("mask", 3)
+    assert validate_config({"compile": {"max_skipped_steps": 0}}).compile_options().max_skipped_steps == 0
 
 
 def test_the_distributed_section_sets_the_pipeline_options():
@@ -126,6 +128,10 @@ def test_bad_overrides(item, needle):
     ("compile.shuffle=maybe", ["compile.shuffle", "'maybe'", "true or false"]),
     ("compile.reference=sticky", ["compile.reference", "'sticky'", "frozen", "ema"]),
     ("compile.advantage=gpro", ["compile.advantage", "Did you mean 'grpo'"]),
+    ("compile.max_skipped_steps=-1", ["compile.max_skipped_steps=-1", ">= 0", "steps in a row"]),
+    ("compile.max_skipped_steps=1.5", ["compile.max_skipped_steps", "valid integer", "1.5", "an integer >= 0"]),
+    ("compile.max_skipped_steps=many", ["compile.max_skipped_steps", "'many'", "an integer >= 0"]),
+    ("compile.infra_failures=drop", ["compile.infra_failures='drop'", "'mask' or 'keep'"]),
     ("model.name=gpt5", ["model.name", "'gpt5'", "tiny-random"]),
     ("model.head=policy", ["model.head='policy'", "'value'"]),
     ("model.lora={rank: 4}", ["model.lora", "'rank'", "r, alpha, dropout, targets"]),
