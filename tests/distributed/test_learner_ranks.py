@@ -1,6 +1,7 @@
 """The whole stack on a real local Ray cluster: rollout actors with their MCP tool servers, learner
 ranks in one gloo group, the asynchronous pipeline between them, and ``materl train`` driving it
-(a learner rank killed with SIGKILL stops the run; the last checkpoint resumes)."""
+(a learner rank killed with SIGKILL stops the run; the last checkpoint resumes; a step skipped
+for a tool outage advances the ranks' version too)."""
 
 import json
 import os
@@ -12,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import materl as ml
 from materl.runtime.checkpoint import load_checkpoint
 from materl.runtime.tasks import arithmetic_rows
 from materl.runtime.train import train
+from tests.compiler.test_infra_failures import train_through_an_outage
 from tests.distributed.test_ray_workers import alive, descendants
 from tests.distributed.tool_recipe import calculator_recipe
 
@@ -116,3 +119,17 @@ def test_a_killed_learner_rank_stops_materl_train_and_the_checkpoint_resumes(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert json.loads(resumed.stdout)["final"]["step"] == last + 1
     assert int(load_checkpoint(run_dir).step) == last + 1
+
+
+def test_learner_ranks_count_the_skipped_step_too(tmp_path):
+    # 2 DDP learner ranks on a local Ray cluster: the skipped step advances their version with the
+    # driver's (step 2 trains to version 2), and the driver's weights stay until then
+    out, start, end = train_through_an_outage(tmp_path / "run", learner_ranks=2)
+    history = out["history"]
+    assert [h["infra_failures/update_skipped"] for h in history] == [1.0, 0.0, 0.0]
+    assert [h.get("version") for h in history] == [None, 2.0, 3.0] and history[1]["ranks"] == 2.0
+    assert [h["lr"] for h in history] == pytest.approx([1e-2, 1e-2 * 2 / 3, 1e-2 / 3])
+    first = load_checkpoint(tmp_path / "run" / "checkpoints" / "step-000001", fallback=False)
+    saved = load_file(str(Path(first.path) / "agents" / "policy" / "model.safetensors"))
+    assert all(torch.equal(saved[k], start[k]) for k in saved)
+    assert any(not torch.equal(end[k], start[k]) for k in start)

@@ -215,9 +215,9 @@ async def test_event_loop_keeps_running_while_a_batch_decodes(tiny):
     hook = model.register_forward_pre_hook(note_first_forward)
     try:
         task = asyncio.ensure_future(engine.generate([104, 105], SamplingParams(max_new_tokens=64, seed=0)))
-        while not task.done():
+        while not task.done():  # a 1 ms tick: sleep(0) would spin the loop and starve the decode thread
             state["ticks"] += 1
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
         await task
     finally:
         hook.remove()
