@@ -11,13 +11,18 @@ request may copy them from any cache that holds that prefix instead of computing
 - a request admitted in the same step (the shared rows are computed once and written into both
   caches: the forward's mirrors).
 
-The pool keeps finished caches up to a byte budget, least recently used out first. Cached keys
+The pool keeps finished caches up to a byte budget, least recently used out first, and finds the
+longest shared prefix in O(log n) comparisons: its token lists are kept sorted, and the list
+sharing the longest prefix with a prompt is the prompt's neighbour in that order (a scan of every
+entry made a long rollout-only run quadratic: 1.7 s, then 4.7 s, for the same 128 requests after
+seven rounds on the tiny model, whose caches fit the budget by the thousand). Cached keys
 and values belong to the weights that computed them: the engine empties the pool whenever the
 weights change (``MojoEngine.sync_weights``, ``sleep``, or a changed parameter seen at a step).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -50,7 +55,8 @@ class PrefixPool:
 
     def __init__(self, budget_bytes: int):
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[int, Cached] = OrderedDict()
+        self._entries: OrderedDict[int, Cached] = OrderedDict()  # least recently used first
+        self._sorted: list[tuple[list[int], int]] = []  # (tokens, id) in lexicographic order
         self._bytes = 0
         self.hits = 0  # positions copied from the pool (tests and benchmarks read it)
 
@@ -63,23 +69,29 @@ class PrefixPool:
             return
         entry = Cached(tokens, cache)
         self._entries[id(entry)] = entry
+        bisect.insort(self._sorted, (tokens, id(entry)))
         self._bytes += size
         while self._bytes > self.budget_bytes:
-            _, old = self._entries.popitem(last=False)
+            key, old = self._entries.popitem(last=False)
+            del self._sorted[bisect.bisect_left(self._sorted, (old.tokens, key))]
             self._bytes -= old.cache.numel() * old.cache.element_size()
 
     def clear(self) -> None:
         self._entries.clear()
+        self._sorted.clear()
         self._bytes = 0
 
     def best(self, prompt: list[int], limit: int) -> tuple[Cached | None, int]:
-        """The entry sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that
-        length; the entry becomes the most recently used."""
+        """An entry sharing the longest prefix with ``prompt`` (at most ``limit`` tokens) and that
+        length; the entry becomes the most recently used. Of the sorted token lists, those just
+        before and just after ``prompt`` share its longest prefix: any list further away agrees
+        with ``prompt`` on no more than the nearer one does."""
+        i = bisect.bisect_left(self._sorted, (prompt,))
         best, length = None, 0
-        for entry in self._entries.values():
-            n = min(common_prefix(prompt, entry.tokens), limit)
+        for tokens, key in self._sorted[max(i - 1, 0):i + 1]:
+            n = min(common_prefix(prompt, tokens), limit)
             if n > length:
-                best, length = entry, n
+                best, length = self._entries[key], n
         if best is not None:
             self._entries.move_to_end(id(best))
         return best, length
