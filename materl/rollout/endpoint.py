@@ -44,6 +44,7 @@ from materl.engines.base import SamplingParams
 from materl.errors import EpisodeError, MaterlError
 from materl.rollout.agent_trace import AgentTrace
 from materl.rollout.episode import model_turn
+from materl.rollout.http_pools import Pools
 
 HOST = "127.0.0.1"
 
@@ -81,7 +82,7 @@ class AgentEndpoint:
         self._by_episode: dict[str, list[str]] = {}
         self._server = None
         self._task: asyncio.Task | None = None
-        self._http = None  # the episodes' clients' shared connection pool
+        self._http: Pools | None = None  # the episodes' clients' shared connection pools
         self.port: int | None = None
 
     def __getstate__(self):  # a worker process starts its own server
@@ -141,19 +142,19 @@ class AgentEndpoint:
             await self._task
             self._task = None
         if self._http is not None:
-            await self._http.close_pool()
+            await self._http.aclose()
             self._http = None
 
     def client(self, key: str, *, timeout_s: float):
-        """An ``openai.AsyncOpenAI`` for one episode's key. All share one connection pool, which
-        the agent's ``client.close()`` leaves open (building a client's own pool costs ~0.1 s of
-        CPU, more than a tiny model's turn)."""
+        """An ``openai.AsyncOpenAI`` for one episode's key. The episodes take turns on a few shared
+        connection pools (``materl.rollout.http_pools``), which the agent's ``client.close()``
+        leaves open (building a client's own pool costs ~0.1 s of CPU, more than a tiny model's turn)."""
         import openai
 
         if self._http is None:
-            self._http = _shared_pool(openai.DefaultAsyncHttpxClient)()
+            self._http = Pools(_shared_pool(openai.DefaultAsyncHttpxClient))
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=timeout_s,
-                                  http_client=self._http)
+                                  http_client=self._http.next())
 
     def open(self, episode_uid: str, session: AgentSession) -> str:
         """A fresh bearer key for ``session`` (one per episode)."""

@@ -30,6 +30,7 @@ import anyio
 from materl.engines.base import SamplingParams
 from materl.errors import ConfigError, RewardError
 from materl.rollout.episode import EpisodeState, sample_turn
+from materl.rollout.http_pools import Pools
 from materl.rollout.types import Rollout
 
 _SCORE = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
@@ -99,7 +100,7 @@ class Judge:
         self.parse, self.max_concurrency, self.timeout_s, self.retries = parse, max_concurrency, timeout_s, retries
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
         self._limits: dict[int, anyio.Semaphore] = {}  # one per event loop
-        self._clients: dict[int, Any] = {}  # an URL judge's httpx client, one per event loop
+        self._clients: dict[int, Pools] = {}  # an URL judge's httpx clients, per event loop
         self.calls = 0  # judge requests sent (attempts), for metrics and tests
 
     def __repr__(self) -> str:
@@ -157,13 +158,14 @@ class Judge:
 
     async def _post(self, messages: list[dict]) -> str:
         """One chat completion from the judge URL: a plain HTTP POST (the ``openai`` client's
-        request building costs ~10 ms of CPU a call, which 64 concurrent judge calls feel)."""
+        request building costs ~10 ms of CPU a call, which 64 concurrent judge calls feel), on
+        connection pools spread per event loop (``materl.rollout.http_pools``)."""
         import httpx
 
         loop = id(asyncio.get_running_loop())
-        if loop not in self._clients:  # one connection pool per event loop
-            self._clients = {loop: httpx.AsyncClient(timeout=self.timeout_s)}
-        response = await self._clients[loop].post(
+        if loop not in self._clients:
+            self._clients = {loop: Pools(lambda **kw: httpx.AsyncClient(timeout=self.timeout_s, **kw))}
+        response = await self._clients[loop].next().post(
             self.model.rstrip("/") + "/chat/completions",
             headers={"authorization": f"Bearer {self.api_key or 'none'}"},
             json={"model": self.model_name, "messages": messages, "max_tokens": self.max_new_tokens,
