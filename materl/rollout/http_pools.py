@@ -43,6 +43,6 @@ class Pools:
         return self._clients[i]
 
     async def aclose(self) -> None:
-        clients, self._clients = self._clients, []
+        clients, self._clients, self._turn = self._clients, [], itertools.count()
         for client in clients:
             await (client.close_pool() if hasattr(client, "close_pool") else client.aclose())
