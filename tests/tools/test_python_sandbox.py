@@ -226,8 +226,12 @@ print(open_fds)
     r = await run(sandbox, code)
     lines = stdout(r).splitlines()
     assert SECRET not in r.content
-    assert lines[0] == str(sorted(["HOME", "LANG", "LD_LIBRARY_PATH", "MKL_NUM_THREADS", "OMP_NUM_THREADS",
-                                    "OPENBLAS_NUM_THREADS", "PATH", "TMPDIR"]))
+    # LD_LIBRARY_PATH only where the interpreter lives outside /usr (pyenv, conda, a venv's base):
+    # the sandbox mounts it at /opt/python, where its shared libpython must be found
+    base = os.path.realpath(sys.base_prefix)
+    mounted = ["LD_LIBRARY_PATH"] if base != "/usr" and not base.startswith("/usr/") else []
+    assert lines[0] == str(sorted(["HOME", "LANG", "MKL_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+                                   "PATH", "TMPDIR", *mounted]))
     assert lines[1] == "False"  # no /proc/*/environ to read other processes' environments from
     assert lines[2] == "[]"  # only fds 0-2
 
