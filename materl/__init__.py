@@ -31,6 +31,7 @@ _EXPORTS = {
         "structure_rollout", "value_loss", "values",
     ],
     "materl.graph.agents": ["agent_episodes", "judge"],
+    "materl.graph.distill": ["distill_advantages", "with_distillation"],
     "materl.compiler.compiled": ["Compiled", "compile"],
     "materl.compiler.kinds.turn_advantages": ["turn_advantages"],
     "materl.compiler.kinds.gigpo_advantages": ["gigpo_advantages"],

@@ -10,6 +10,7 @@ of the graph (their schemas enter the chat template): those are factories ``f(to
 """
 
 from materl.recipes.dapo import dapo
+from materl.recipes.distill import distill
 from materl.recipes.dpo import dpo
 from materl.recipes.dr_grpo import dr_grpo
 from materl.recipes.grpo import grpo
@@ -21,7 +22,7 @@ from materl.recipes.remax import remax
 from materl.recipes.rloo import rloo
 from materl.recipes.vapo import vapo
 
-RECIPES = {r.name: r for r in (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax, ppo, vapo, dpo)}
+RECIPES = {r.name: r for r in (grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, remax, ppo, vapo, dpo, distill)}
 FACTORIES = {"grpo_tools": grpo_tools_recipe}  # recipes built from the run's Toolbox
 DEFAULT_TOOLS = ("python -m materl.tools.calculator",)
 

@@ -2,7 +2,7 @@
 micro-batches of forward/backward, gradient clipping and an optimizer step per mini-batch.
 
 Metrics an implementation returns per micro-batch are averaged over the update; whole-batch
-metrics (the engine-vs-learner mismatch) go in ``batch_metrics`` and are reported as set, or are
+metrics (the engine-vs-learner mismatch, a prepare node's per-episode figures) go in ``batch_metrics`` and are reported as set, or are
 computed after the loop from what micro-steps ``gather`` (over every process's rows).
 
 Loss aggregations get the mini-batch's global token/sequence count as their denominator, so
@@ -170,6 +170,7 @@ class Learner:
             elif name in plan.prepare:
                 for ep, value in zip(self.episodes, await call_batch(self.run, name, self.episodes)):
                     ep.store(name, value)
+                self.batch_metrics |= _episode_means(self.episodes, f"{name}/")
 
     # -- update --
     def micro_step(self, idx: Tensor, denoms: Denominators) -> tuple[Tensor, dict]:
@@ -278,3 +279,11 @@ def learner_device(agents) -> torch.device:
         if isinstance(device, torch.device):
             return device
     return torch.device("cpu")
+
+
+def _episode_means(episodes, prefix: str) -> dict[str, float]:
+    """A prepare-stage node's per-episode figures (``ep.metrics`` keys under ``prefix``, e.g. the
+    distillation's ``advantages/reverse_kl``) as batch metrics: their mean over the episodes."""
+    keys = sorted({k for ep in episodes for k in ep.metrics if k.startswith(prefix)})
+    return {k: sum(vals) / len(vals) for k in keys
+            for vals in [[ep.metrics[k] for ep in episodes if k in ep.metrics]]}

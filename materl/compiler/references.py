@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from materl.compiler.kinds.distill import teacher_agents
 from materl.ops.reference import make_reference_policy
 
 Pair = tuple[Any, Any, Any]  # (reference agent, source agent, policy)
@@ -19,9 +20,10 @@ def reference_pairs(plan, agents: Mapping[str, Any], options) -> list[Pair]:
     an agent no kept node reads is left out (it is never loaded)."""
     trainable = [n for n, a in agents.items() if a.trainable and getattr(a, "head", None) != "value"]
     used = {a for name in plan.order for a in plan.nodes[name].agents}
+    teachers = teacher_agents(plan)  # a distillation teacher stays as it is
     pairs = []
     for name, a in agents.items():
-        if a.trainable or not trainable or getattr(a, "head", None) == "value" or name not in used:
+        if a.trainable or not trainable or getattr(a, "head", None) == "value" or name not in used or name in teachers:
             continue
         source = "policy" if "policy" in trainable else trainable[0]
         policy = make_reference_policy(options.reference, **dict(options.reference_options))

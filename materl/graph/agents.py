@@ -42,10 +42,10 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
                  fixed_scope=True)
 
 
-def judge(rubric: str, *, model, rollout=None, relative: bool = False, weight: float = 1.0, name: str | None = None,
-          parse=None, api_key: str | None = None, model_name: str = "judge", max_concurrency: int = 8,
-          timeout_s: float = 60.0, retries: int = 2, max_new_tokens: int = 256,
-          temperature: float = 0.0) -> RewardExpr:
+def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = False, weight: float = 1.0,
+          name: str | None = None, parse=None, api_key: str | None = None, model_name: str = "judge",
+          max_concurrency: int = 8, timeout_s: float = 60.0, retries: int = 2, max_new_tokens: int = 256,
+          temperature: float = 0.0, principles=None, aggregate: str = "mean", revise: str | None = None) -> RewardExpr:
     """A reward term scored by an LLM judge against ``rubric``: ``model`` is a materl ``Agent``
     (in process) or an OpenAI-compatible base URL (``model_name``/``api_key`` for its requests).
     Each episode's rollout (default: the recipe's latest) is judged as soon as it exists, while
@@ -54,8 +54,24 @@ def judge(rubric: str, *, model, rollout=None, relative: bool = False, weight: f
     list[float]`` when relative) instead of reading ``Score: x`` lines. Calls are bounded by
     ``max_concurrency``, each attempt by ``timeout_s``, retried ``retries`` times; a judge that
     still fails or answers unparseably fails the episode with its error. Compose with ``+``:
-    ``ml.judge(...) + ml.reward(exact_answer)``. See ``materl.rollout.judge``."""
+    ``ml.judge(...) + ml.reward(exact_answer)``. See ``materl.rollout.judge``.
+
+    ``principles=[...]`` instead of a rubric: one judge call per principle (strings, or dicts with
+    ``text``, ``name``, ``weight``), each principle's score an episode metric
+    ``reward/<name>/<principle>``, the reward their ``aggregate`` (a ``REWARD_AGGREGATORS`` name:
+    mean, weighted_sum, min, max, or pareto within the group); ``revise="score"`` or ``"prefer"``
+    adds a critique-then-revise pass (``materl.rollout.principles``)."""
     from materl.rollout.judge import Judge
+
+    if principles is not None:
+        return _principles(rubric, principles, model=model, rollout=rollout, relative=relative, weight=weight,
+                           name=name, aggregate=aggregate, revise=revise,
+                           options=dict(parse=parse, api_key=api_key, model_name=model_name,
+                                        max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
+                                        max_new_tokens=max_new_tokens, temperature=temperature))
+    if aggregate != "mean" or revise is not None:
+        raise RecipeError(f"ml.judge(aggregate={aggregate!r}, revise={revise!r}) apply to principles=[...]; this "
+                          f"judge has a rubric and no principles")
 
     if not isinstance(rubric, str) or not rubric.strip():
         raise RecipeError(f"ml.judge needs a rubric (a non-empty string), got {rubric!r}")
@@ -71,4 +87,25 @@ def judge(rubric: str, *, model, rollout=None, relative: bool = False, weight: f
     params = {"judge": the_judge, **({"relative": True} if relative else {})}
     value = b.add("judge", [scored], params, scope="group" if relative else "episode", name=name,
                   default_name="judge", fixed_scope=True)
+    return RewardExpr((RewardTerm(value, float(weight), name=name or value.node),))
+
+
+def _principles(rubric, principles, *, model, rollout, relative: bool, weight: float, name: str | None,
+                aggregate: str, revise: str | None, options: dict) -> RewardExpr:
+    from materl.rollout.principles import PrincipleJudge
+
+    if rubric is not None or relative:
+        raise RecipeError(f"ml.judge(principles=...) scores each principle on its own; drop "
+                          f"{'the rubric ' + repr(rubric) if rubric is not None else 'relative=True'} "
+                          f"(a rubric is a principle: put it in the list)")
+    if rollout is not None and not isinstance(rollout, Value):
+        raise RecipeError(f"ml.judge(rollout=...) needs a Value from the recipe, got {rollout!r}")
+    the_judge = PrincipleJudge(model, principles, aggregate=aggregate, revise=revise, **options)
+    b = active_builder("ml.judge")
+    scored = rollout if rollout is not None else b.latest_completions("ml.judge")
+    if scored is None:
+        raise RecipeError(f"ml.judge in recipe {b.name!r} has nothing to judge: no rollout comes before it")
+    value = b.add("principles", [scored], {"principles": the_judge},
+                  scope="group" if the_judge.group_wise else "episode", name=name, default_name="principles",
+                  fixed_scope=True)
     return RewardExpr((RewardTerm(value, float(weight), name=name or value.node),))

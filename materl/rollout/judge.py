@@ -129,6 +129,11 @@ class Judge:
 
         return await self._ask(messages, parsed)
 
+    async def ask(self, messages: list[dict], parse: Callable[[str], Any]) -> Any:
+        """Send ``messages`` as they are (bounded, timed out, retried) until ``parse`` accepts an
+        answer: free-form calls built on a judge (``materl.rollout.principles``'s critique)."""
+        return await self._ask(messages, parse)
+
     async def _ask(self, messages: list[dict], parse: Callable[[str], Any]) -> Any:
         """Send ``messages`` (bounded, timed out, retried) until an answer parses."""
         errors = []

@@ -6,10 +6,12 @@ from materl.compiler.kinds import (
     advantages,
     agents,
     custom,
+    distill,
     forward,
     gigpo_advantages,
     judge,
     losses,
+    principles,
     rewards,
     rollout,
     turn_advantages,
@@ -17,7 +19,8 @@ from materl.compiler.kinds import (
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
-         *turn_advantages.SPECS, *gigpo_advantages.SPECS, *agents.SPECS, *judge.SPECS)
+         *turn_advantages.SPECS, *gigpo_advantages.SPECS, *agents.SPECS, *judge.SPECS,
+         *distill.SPECS, *principles.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)
