@@ -80,25 +80,33 @@ def test_print_and_the_teacher_is_never_moved_toward_the_student(teacher_dir):
 
 
 def test_distillation_moves_the_student_toward_the_teacher(teacher_dir):
-    """The student's exact KL to the teacher on fixed sequences falls after a few steps."""
+    """A teacher taught to answer "hi" with "ab" (tests/rollout/taught.py); the student samples one
+    token per episode, 256 episodes a step, so the sampled reverse-KL gradient has little noise
+    (over a 512-token vocabulary, 64 samples give a direction mostly noise, measured). After 8
+    steps the student's exact KL to the teacher at that token is lower, and "a" more likely."""
+    from materl.rollout.episode import EpisodeState
+    from tests.rollout.taught import teach
+
     teacher, student = ml.Agent(str(teacher_dir)), ml.Agent("tiny-random", trainable=True)
-    probe = student.tokenizer("hello there", add_special_tokens=False)["input_ids"]
+    ctx = EpisodeState.start(teacher.tokenizer, [{"role": "user", "content": "hi"}]).ids
+    for _ in range(3):  # each call trains on until greedy decoding gives "ab": three make the teacher sharper
+        teach(teacher, [(ctx, "ab")])
 
-    def kl_to_teacher() -> float:  # KL(student || teacher) of the next-token distributions along ``probe``
-        ids = torch.tensor([probe])
+    def first_token() -> tuple[float, float]:  # exact KL(student || teacher) there, and log p_student("a")
         with torch.no_grad():
-            p = student.model(ids).logits[0].double().log_softmax(-1)
-            q = teacher.model(ids).logits[0].double().log_softmax(-1)
-        return float((p.exp() * (p - q)).sum(-1).mean())
+            p = student.model(torch.tensor([ctx])).logits[0, -1].double().log_softmax(-1)
+            q = teacher.model(torch.tensor([ctx])).logits[0, -1].double().log_softmax(-1)
+        return float((p.exp() * (p - q)).sum()), float(p[ord("a")])
 
-    start = kl_to_teacher()
-    step = compile_distill(distill, teacher, policy=student, lr=3e-3, max_new_tokens=16, group_size=4)
+    kl_before, a_before = first_token()
+    step = compile_distill(distill, teacher, policy=student, lr=1e-3, max_new_tokens=1, group_size=256)
     try:
-        for _ in range(12):
-            step.run(["hello", "there"])
+        for _ in range(8):
+            step.run(["hi"])
     finally:
         step.close()
-    assert kl_to_teacher() < 0.8 * start
+    kl_after, a_after = first_token()
+    assert kl_after < kl_before - 0.005 and a_after > a_before + 0.3, (kl_before, kl_after, a_before, a_after)
 
 
 def test_a_teacher_with_another_tokenizer_is_a_compile_error():

@@ -186,7 +186,10 @@ def preference_learn(learner, node: Node, rows, get, denoms):
         src = learner.forward_of(ref)
         sb = learner.seq_batch(src).rows(rows)
         counts = counts or learner.counts_for(src, denoms)
-        seqs.append(sequence_logps(get(ref), sb.mask, average=name in LENGTH_NORMALISED))
+        logp = get(ref)  # a prepared (reference) value is padded to the batch's widest row: back to this one's
+        logp = logp[:, :sb.mask.shape[1]] if logp.shape[1] >= sb.mask.shape[1] else \
+            torch.nn.functional.pad(logp, (0, sb.mask.shape[1] - logp.shape[1]))
+        seqs.append(sequence_logps(logp, sb.mask, average=name in LENGTH_NORMALISED))
     if len(seqs) == 2:  # reference-free (SimPO)
         seqs += [torch.zeros_like(seqs[0]), torch.zeros_like(seqs[0])]
     out = PREFERENCE_LOSSES.get(name)(*seqs, **params)
