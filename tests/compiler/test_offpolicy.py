@@ -178,6 +178,7 @@ def test_composes_with_every_builtin_recipe_with_a_policy_loss(tiny):
         agents = {"policy": tiny(trainable=True)}
         agents |= {"ref_policy": tiny()} if "ref_policy" in recipe.agents else {}
         agents |= {"value_model": tiny(head="value", trainable=True)} if "value_model" in recipe.agents else {}
+        agents |= {"teacher": tiny()} if "teacher" in recipe.agents else {}  # distill
         assert "off-policy correction mis(" in ml.compile(corrected, **agents, group_size=2).explain(), name
         assert str(RECIPES[name]) == str(recipe)  # the base is unchanged
 
