@@ -187,3 +187,21 @@ def test_lora_student_and_async_pipeline(teacher_dir, tmp_path):
     assert len(history) == 3 and all("advantages/reverse_kl" in h for h in history)
     assert max(h["async/staleness_max"] for h in history) <= 1
     assert all(torch.isfinite(torch.tensor(h["loss"])) for h in history)
+
+
+@pytest.mark.slow
+def test_smollm2_student_and_teacher():
+    """The real SmolLM2-135M as student (through its default engine) and as teacher: the teacher's
+    log-probs of the sampled ids are the same model's, so the advantages are the engine-vs-learner
+    gap only (small), and they equal an HF forward's; a tiny-vocabulary teacher is refused."""
+    student, teacher = ml.Agent("smollm2-135m-instruct", trainable=True), ml.Agent("smollm2-135m-instruct")
+    step = compile_distill(distill, teacher, policy=student, max_new_tokens=8, group_size=2)
+    try:
+        metrics = step.run(["What is 2 + 3?"])
+        for ep in step.last_episodes:
+            check_advantages(ep, teacher)
+    finally:
+        step.close()
+    assert abs(metrics["advantages/reverse_kl"]) < 0.02
+    with pytest.raises(CompileError, match="student vocabulary has 49152 tokens, teacher's 512"):
+        compile_distill(distill, ml.Agent("tiny-random"), policy=student)
