@@ -2,8 +2,9 @@
 micro-batches of forward/backward, gradient clipping and an optimizer step per mini-batch.
 
 Metrics an implementation returns per micro-batch are averaged over the update; whole-batch
-metrics (the engine-vs-learner mismatch, a prepare node's per-episode figures) go in ``batch_metrics`` and are reported as set, or are
-computed after the loop from what micro-steps ``gather`` (over every process's rows).
+metrics (the engine-vs-learner mismatch, the mean of a prepare node's per-episode figures) go in
+``batch_metrics`` and are reported as set, or are computed after the loop from what micro-steps
+``gather`` (over every process's rows).
 
 Loss aggregations get the mini-batch's global token/sequence count as their denominator, so
 summing micro-batch losses equals the mini-batch loss exactly (gradient accumulation is exact).

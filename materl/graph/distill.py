@@ -78,7 +78,8 @@ def with_distillation(base: Recipe, teacher: str = "teacher", weight: float = 1.
     builder = Builder(name or base.name, list(base.nodes), list(base.losses), [*base.params, teacher],
                       list(base.agents), dict(base.defaults))
     trace(body, builder, {"graph": Graph(builder)})
-    origin = f"with_distillation({teacher}, {weight:g}{f', discount={discount:g}' if discount else ''}) of {base.name!r}"
+    shown = f"{teacher}, {weight:g}" + (f", discount={discount:g}" if discount else "")
+    origin = f"with_distillation({shown}) of {base.name!r}"
     return _finish(builder, origin=origin, doc=base.doc)
 
 
