@@ -1,12 +1,13 @@
 """On-policy distillation of a tool-using teacher into a student, on the calculator task.
 
-    python examples/distill_calculator.py --teacher runs/calculator/policy   # a trained SmolLM2 folder
+    python examples/calculator_tool_rl.py && materl export runs/calculator_tool_rl teacher   # the teacher
+    python examples/distill_calculator.py --teacher teacher                  # a trained SmolLM2 folder
     python examples/distill_calculator.py --tiny                             # tiny random models, 3 steps (CI)
 
 The student (SmolLM2-135M-Instruct, or the tiny random model) runs the multi-turn calculator
 recipe (``recipes/grpo_tools.py``: a tool call, the calculator's answer over MCP, a final
 answer). The frozen teacher (a folder with the same tokenizer: the calculator demo's trained
-policy, ``examples/calculator_tool_rl.py --save DIR``) scores every token the student sampled
+policy, exported from its run directory) scores every token the student sampled
 with its own log-prob of the exact ids; the calculator's output is never scored. Each token's
 advantage is the recipe's GRPO advantage plus ``--weight`` times the negative reverse KL
 (``ml.with_distillation``; Thinking Machines' "On-Policy Distillation"). ``--weight`` large
