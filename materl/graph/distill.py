@@ -68,15 +68,16 @@ def with_distillation(base: Recipe, teacher: str = "teacher", weight: float = 1.
                           f"log-probs ({base.where})")
     prompts, completions = [Value(*_split(r)) for r in student.inputs if not r.startswith("@")][:2]
 
+    builder = Builder(name or base.name, list(base.nodes), list(base.losses), [*base.params, teacher],
+                      list(base.agents), dict(base.defaults))
+    teacher_node = builder.unique(f"{teacher}_logprobs")
+
     def body(graph):
-        teacher_logp = logprobs(Placeholder(teacher), prompts, completions,
-                                name=graph._builder.unique(f"{teacher}_logprobs"))
+        teacher_logp = logprobs(Placeholder(teacher), prompts, completions, name=teacher_node)
         getattr(graph, adv).replace_with(distill_advantages(
             Value(student.name), teacher_logp, getattr(graph, adv), coef=weight, discount=discount,
             completions=completions))
 
-    builder = Builder(name or base.name, list(base.nodes), list(base.losses), [*base.params, teacher],
-                      list(base.agents), dict(base.defaults))
     trace(body, builder, {"graph": Graph(builder)})
     shown = f"{teacher}, {weight:g}" + (f", discount={discount:g}" if discount else "")
     origin = f"with_distillation({shown}) of {base.name!r}"

@@ -49,6 +49,9 @@ async def test_each_principle_is_scored_and_weighted_then_aggregated(taught_judg
     assert mean.components["kind"].tolist() == [0.75, 0.25] and mean.components["brief"].tolist() == [0.5, 0.5]
     # mean over the weighted scores: "ok" (0.75 + 2*0.5)/2 = 0.875, "no" (0.25 + 2*0.5)/2 = 0.625
     assert mean.total.tolist() == pytest.approx([0.875, 0.625])
+    # a local judge at temperature 0 decodes greedily: a second judge over the same model, the same scores
+    repeat = await evaluate(PrincipleJudge(taught_judge, PRINCIPLES, max_new_tokens=16), rollouts, [0, 1])
+    assert {k: v.tolist() for k, v in repeat.components.items()} == {k: v.tolist() for k, v in mean.components.items()}
     pareto = await evaluate(PrincipleJudge(taught_judge, PRINCIPLES, aggregate="pareto", max_new_tokens=16),
                             rollouts, [0, 0])
     # one group: (0.75, 1.0) dominates (0.25, 1.0): ranks 0 and 1, rewards 0 and -1

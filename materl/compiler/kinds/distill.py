@@ -48,10 +48,6 @@ def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:
             f"teacher would score other tokens than the student sampled")
 
 
-def teacher_logprobs_node(node: Node, info: RecipeInfo) -> Node | None:
-    return info.producer(node.inputs[2])
-
-
 def check_distill(node: Node, info: RecipeInfo) -> list[str]:
     """Wiring and agent checks, all at compile time (see the module docstring)."""
     sources = {role: info.producer(node.inputs[i]) for i, role in ((1, "student"), (2, "teacher"))}
@@ -61,12 +57,11 @@ def check_distill(node: Node, info: RecipeInfo) -> list[str]:
     if bad:
         return bad
     student, teacher = sources["student"], sources["teacher"]
-    seq = lambda n: [r for r in n.inputs if not r.startswith("@")]  # noqa: E731
     problems = []
-    if seq(student) != seq(teacher):
-        problems.append(f"node {node.name!r}: the teacher's log-probs %{teacher.name} read {seq(teacher)}, the "
-                        f"student's %{student.name} read {seq(student)}; the teacher must score the student's "
-                        f"own sequences")
+    if _sequences(student) != _sequences(teacher):
+        problems.append(f"node {node.name!r}: the teacher's log-probs %{teacher.name} read {_sequences(teacher)}, "
+                        f"the student's %{student.name} read {_sequences(student)}; the teacher must score the "
+                        f"student's own sequences")
     agents = {role: info.agents.get(n.agents[0]) for role, n in sources.items()}
     s_agent, t_agent = agents["student"], agents["teacher"]
     if s_agent is not None and not s_agent.trainable:
@@ -81,6 +76,11 @@ def check_distill(node: Node, info: RecipeInfo) -> list[str]:
             problems.append(f"node {node.name!r}: tokenizer mismatch between student {student.agents[0]!r} "
                             f"({s_agent.name}) and teacher {teacher.agents[0]!r} ({t_agent.name}): {why}")
     return problems
+
+
+def _sequences(logprobs_node: Node) -> list[str]:
+    """The (prompts, completions) refs a logprobs node reads."""
+    return [r for r in logprobs_node.inputs if not r.startswith("@")]
 
 
 def teacher_agents(plan) -> set[str]:
