@@ -380,9 +380,9 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}
+    stopped = {k: result[k] for k in ("best_checkpoint", "stopped_at")} if stopping is not None else {}
     return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
-            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"],
-            "best_checkpoint": result["best_checkpoint"], "stopped_at": result["stopped_at"]}
+            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"], **stopped}
 
 
 def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "grpo", dataset: Any = "arithmetic",
@@ -407,7 +407,7 @@ def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "g
     ``use_mojo``: Mojo kernels where available (else the torch ops). Other keywords are compile
     options (``lr=``, ``group_size=``, ``max_new_tokens=`` ...). Bad values fail before anything
     loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
-    "evals", "checkpoint", "run_dir", "best_checkpoint", "stopped_at"}``.
+    "evals", "checkpoint", "run_dir"}`` (and ``"best_checkpoint", "stopped_at"`` with early stopping).
     """
     in_memory = not isinstance(dataset, (str, Path))
     specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]
