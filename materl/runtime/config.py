@@ -513,7 +513,8 @@ def _check_data_source(data: DataSection, where: str) -> None:
         return
     raise ConfigError(f"data.source: {source!r} is not a generator, a .jsonl file or a saved `datasets` folder "
                       f"({'not found' if not p.exists() else 'unsupported file type'}); accepted: "
-                      f"{', '.join(DATA_GENERATORS)}, reasoning_gym:<task>, a path to a .jsonl file, a datasets.save_to_disk folder "
+                      f"{', '.join(DATA_GENERATORS)}, reasoning_gym:<task>, a path to a .jsonl file, "
+                      f"a datasets.save_to_disk folder "
                       f"(in {where})")
 
 

@@ -26,10 +26,10 @@ from materl.runtime.build import build_from_config
 from materl import compute
 from materl.distributed.launch import rollout_side
 from materl.distributed.pipeline import Pipeline
-from materl.runtime.checkpoint import (best_checkpoint, load_checkpoint, load_tensors, mark_best, restore,
-                                       save_checkpoint)
+from materl.runtime.checkpoint import (BEST, CHECKPOINTS, best_checkpoint, load_checkpoint, load_tensors,
+                                       mark_best, restore, save_checkpoint)
 from materl.runtime.config import config_to_dict, validate_config
-from materl.runtime.curriculum import Curriculum, CurriculumSampler
+from materl.runtime.curriculum import Curriculum, CurriculumSampler, Knobbed
 from materl.runtime.data import Sampler, load_rows
 from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.prompts import prepare_rows
@@ -110,15 +110,14 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     random.seed(seed)
     np.random.seed(seed)
     fit = {"max_prompt_tokens": max_prompt_tokens, "truncation": truncation}
-    if early_stopping is not None and not (eval_every and eval_dataset is not None):
-        raise ConfigError(f"early_stopping ({early_stopping.metric}) needs evaluations: set eval_every >= 1 and an "
-                          f"eval_dataset (got eval_every={eval_every}, eval_dataset={'given' if eval_dataset is not None else None})")
-    if curriculum is not None:
-        sampler = CurriculumSampler(dataset, curriculum, batch_size=batch_size, seed=seed,
-                                    max_staleness=compiled.options.max_staleness,
-                                    prepare=lambda rows, where: prepare_rows(compiled, rows, where=where, **fit))
-    else:
-        sampler = Sampler(prepare_rows(compiled, dataset, **fit), batch_size=batch_size, seed=seed, shuffle=shuffle)
+    if early_stopping is not None:
+        if not (eval_every and eval_dataset is not None):
+            given = "given" if eval_dataset is not None else None
+            raise ConfigError(f"early_stopping ({early_stopping.metric}) needs evaluations: set eval_every >= 1 and "
+                              f"an eval_dataset (got eval_every={eval_every}, eval_dataset={given})")
+        if not resume:
+            (Path(run_dir) / CHECKPOINTS / BEST).unlink(missing_ok=True)  # a former run's best is not this one's
+    sampler = _sampler(compiled, dataset, curriculum, batch_size=batch_size, seed=seed, shuffle=shuffle, fit=fit)
     eval_rows = prepare_rows(compiled, eval_dataset, where="eval_dataset", **fit) if eval_dataset is not None else None
     run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
                                                                               warmup_steps=warmup_steps))
@@ -162,8 +161,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
                             max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
                             progress=lambda k, total: run.logger.step_bar(k + 1, total),
-                            learner=_Observed(run.ranks or compiled, sampler.observe, run.start)
-                            if curriculum is not None else run.ranks)
+                            learner=run.ranks if curriculum is None else
+                            _Observed(compiled if run.ranks is None else run.ranks, sampler.observe, run.start))
         compiled.call_blocking(run.loop, pipeline, data_position)
     except KeyboardInterrupt:  # SIGINT/SIGTERM (materl.runtime.signals): stop now, keep the last checkpoint
         interrupted = True
@@ -181,6 +180,19 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
             "run_dir": str(run_dir), "best_checkpoint": _best(run, early_stopping),
             "stopped_at": run.stopped_at}
+
+
+def _sampler(compiled, dataset: Any, curriculum: Curriculum | None, *, batch_size: int, seed: int, shuffle: bool,
+             fit: dict) -> Sampler | CurriculumSampler:
+    """Batches over ``dataset``'s checked rows, or drawn by ``curriculum`` from a Knobbed dataset."""
+    if curriculum is not None:
+        return CurriculumSampler(dataset, curriculum, batch_size=batch_size, seed=seed,
+                                 max_staleness=compiled.options.max_staleness,
+                                 prepare=lambda rows, where: prepare_rows(compiled, rows, where=where, **fit))
+    if isinstance(dataset, Knobbed) and not isinstance(dataset, (list, tuple)):
+        raise ConfigError(f"{dataset!r} is a dataset with difficulty knobs, drawn from by a curriculum: pass "
+                          f"curriculum=ml.Curriculum(...), or rows (e.g. task.split(256, 32)[0], task.rows(256))")
+    return Sampler(prepare_rows(compiled, dataset, **fit), batch_size=batch_size, seed=seed, shuffle=shuffle)
 
 
 def _best(run: _Run, early_stopping: EarlyStopping | None) -> str | None:

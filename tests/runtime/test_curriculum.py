@@ -56,6 +56,15 @@ def test_levels_is_knobbed_and_a_plain_list_is_not():
         Curriculum(band=(0.5, 0.2))
 
 
+def test_a_knobbed_dataset_without_a_curriculum_is_a_clear_error(tmp_path):
+    step = _step()
+    try:
+        with pytest.raises(ConfigError, match=r"Levels\(\) is a dataset with difficulty knobs.*curriculum="):
+            train(step, Levels(), steps=1, run_dir=tmp_path, progress=False)
+    finally:
+        step.close()
+
+
 def test_raise_when_the_window_passes_and_lower_when_it_falls():
     s = CurriculumSampler(Levels(), Curriculum(raise_above=0.75, lower_below=0.25, window=4, pool_size=8),
                           batch_size=2)

@@ -48,7 +48,8 @@ def test_bad_settings_and_an_unknown_metric_are_clear_errors():
 
 
 def _step():
-    return ml.compile(ml.replace(grpo, "rewards", lambda g: ml.reward("exact_match")), policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+    recipe = ml.replace(grpo, "rewards", lambda g: ml.reward("exact_match"))
+    return ml.compile(recipe, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
                       group_size=2, max_new_tokens=4, lr=1e-3, seed=0)
 
 
