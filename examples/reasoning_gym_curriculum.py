@@ -10,7 +10,9 @@ curriculum attributes (for basic_arithmetic: 2..6 terms and 1..4 digits, five le
 curriculum (``ml.Curriculum``) starts at level 0 and raises the level when the pass rate of the
 last ``window`` episodes at that level reaches ``raise_above`` (lowers it below
 ``lower_below``). The reward is the task's ``score_answer`` on the text between the answer
-tags (``reward/reasoning_gym``). Held-out questions are drawn at the hardest level from another
+tags (``reward/reasoning_gym``). Each prompt starts with one worked example of the task
+(``shots=1``): without it SmolLM2 never writes the answer tags (0 of 32 held-out questions
+scored at level 0, measured), with it some answers are scored from the first step. Held-out questions are drawn at the hardest level from another
 seed and scored greedily before and after training.
 
 Printed: one line per step (level, pass rate, reward), then held-out accuracy at the hardest
@@ -40,10 +42,10 @@ def build(task: ml.ReasoningGymTask, *, model: str, group_size: int, max_new_tok
 def run(*, task_name: str = "basic_arithmetic", model: str = "smollm2-135m-instruct", steps: int = 30,
         batch_size: int = 4, group_size: int = 4, max_new_tokens: int = 24, lr: float = 2e-5, seed: int = 0,
         fixed_level: int | None = None, test_size: int = 32, curriculum: ml.Curriculum | None = None,
-        run_dir: str = "runs/reasoning_gym_curriculum", progress: bool = False) -> dict:
+        run_dir: str = "runs/reasoning_gym_curriculum", progress: bool = False, shots: int = 1) -> dict:
     """Train with the curriculum (or at ``fixed_level``) and return held-out accuracy at the
     hardest level before and after, with the per-step history."""
-    task = ml.ReasoningGymTask(task_name, seed=seed)
+    task = ml.ReasoningGymTask(task_name, seed=seed, shots=shots)
     hardest = task.levels - 1
     held_out = task.rows(test_size, seed=seed + 10_000, level=hardest)
     step = build(task, model=model, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, seed=seed)

@@ -74,16 +74,20 @@ def task_from_source(source: str, *, options: Mapping[str, Any] | None = None, l
 class ReasoningGymTask:
     """One reasoning-gym task with fixed ``options`` (its config dataclass's fields) at an
     optional difficulty ``level``; see the module docstring. ``instruction`` is appended to
-    every question (None: the question alone)."""
+    every question (None: the question alone). ``shots``: that many worked examples of the task
+    (questions from stream ``seed + 2`` at the row's level, answered ``<answer>...</answer>``) as
+    chat turns before the question, so that a small model sees the answer format."""
 
     def __init__(self, task: str, *, options: Mapping[str, Any] | None = None, level: int | None = None,
-                 seed: int = 0, instruction: str | None = INSTRUCTION):
+                 seed: int = 0, instruction: str | None = INSTRUCTION, shots: int = 0):
         _, factory = _rg()
         if task not in factory.DATASETS:
             names = sorted(factory.DATASETS)
             raise UnknownNameError(f"unknown reasoning-gym task {task!r}{did_you_mean(task, names)}; "
                                    f"{len(names)} tasks: {', '.join(names)}")
-        self.task, self.seed, self.instruction = task, int(seed), instruction
+        if not isinstance(shots, int) or isinstance(shots, bool) or shots < 0:
+            raise ConfigError(f"shots={shots!r}; accepted: an integer >= 0 (worked examples before each question)")
+        self.task, self.seed, self.instruction, self.shots = task, int(seed), instruction, shots
         self._config_cls = factory.DATASETS[task][1]
         self.options = dict(options or {})
         fields = {f.name for f in dataclasses.fields(self._config_cls)} - set(_RESERVED)
@@ -160,7 +164,8 @@ class ReasoningGymTask:
              exclude: frozenset[str] = frozenset()) -> list[dict]:
         """``n`` rows (see the module docstring) from the stream ``seed`` (default the task's)
         at ``level`` (default the task's); questions in ``exclude`` are skipped."""
-        config = self.config(self.level if level is None else level)
+        level = self.level if level is None else level
+        config = self.config(level)
         seed = self.seed if seed is None else int(seed)
         dataset_cls = _rg()[1].DATASETS[self.task][0]
         out, seen, i, size, dataset = [], set(exclude), 0, max(1, n + len(exclude)), None
@@ -175,7 +180,7 @@ class ReasoningGymTask:
             entry, i = dataset[i], i + 1
             if entry["question"] not in seen:
                 seen.add(entry["question"])
-                out.append(self._row(entry))
+                out.append(self._row(entry, level))
         return out
 
     def split(self, train_size: int | None, test_size: int) -> tuple[list[dict], list[dict]]:
@@ -185,13 +190,30 @@ class ReasoningGymTask:
         train = self.rows(train_size or 256, exclude=frozenset(r["rg_entry"]["question"] for r in test))
         return train, test
 
-    def _row(self, entry: Mapping[str, Any]) -> dict:
+    def _row(self, entry: Mapping[str, Any], level: int | None) -> dict:
         question = entry["question"]
-        prompt = f"{question}\n\n{self.instruction}" if self.instruction else question
+        prompt = self._ask(question)
+        if self.shots:
+            prompt = [*(dict(t) for t in self._worked(level)), {"role": "user", "content": prompt}]
         metadata = dict(entry.get("metadata") or {})
         metadata.setdefault("source_dataset", self.task)
         return {"prompt": prompt, "answer": str(entry["answer"]),
                 "rg_entry": {"question": question, "answer": entry["answer"], "metadata": metadata}}
+
+    def _ask(self, question: str) -> str:
+        return f"{question}\n\n{self.instruction}" if self.instruction else question
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019 - a handful of levels per task object
+    def _worked(self, level: int | None) -> tuple[dict, ...]:
+        """``shots`` worked examples at ``level`` as chat turns (stream ``seed + 2``)."""
+        config = dataclasses.replace(self.config(level), seed=self.seed + 2, size=self.shots)
+        dataset = _rg()[1].DATASETS[self.task][0](config=config)
+        turns: list[dict] = []
+        for i in range(self.shots):
+            entry = dataset[i]
+            turns += [{"role": "user", "content": self._ask(entry["question"])},
+                      {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+        return tuple(turns)
 
     # -- reward --------------------------------------------------------------------------------
 

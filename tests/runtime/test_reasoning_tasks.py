@@ -42,6 +42,22 @@ def test_levels_set_every_knob_from_the_tasks_own_curriculum():
     assert all(" + " in e and not {"*", "/"} & set(e) for e in expressions), expressions
 
 
+def test_shots_put_worked_examples_before_the_question():
+    task = ReasoningGymTask("basic_arithmetic", seed=4, shots=2)
+    plain = ReasoningGymTask("basic_arithmetic", seed=4)
+    row, bare = task.rows_at(1, 1, seed=9)[0], plain.rows_at(1, 1, seed=9)[0]
+    examples = plain.rows(2, seed=6, level=1)  # the worked examples come from stream seed + 2, at the row's level
+    assert row["prompt"] == [
+        {"role": "user", "content": examples[0]["prompt"]},
+        {"role": "assistant", "content": f"<answer>{examples[0]['answer']}</answer>"},
+        {"role": "user", "content": examples[1]["prompt"]},
+        {"role": "assistant", "content": f"<answer>{examples[1]['answer']}</answer>"},
+        {"role": "user", "content": bare["prompt"]}]
+    assert row["rg_entry"] == bare["rg_entry"]
+    with pytest.raises(ConfigError, match=r"shots=-1; accepted: an integer >= 0"):
+        ReasoningGymTask("basic_arithmetic", shots=-1)
+
+
 def test_the_tasks_scorer_is_the_reward():
     entry = ReasoningGymTask("basic_arithmetic", seed=2).rows(1)[0]["rg_entry"]
     gold = entry["answer"]
