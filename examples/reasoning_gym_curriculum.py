@@ -12,7 +12,7 @@ last ``window`` episodes at that level reaches ``raise_above`` (lowers it below
 ``lower_below``). The reward is the task's ``score_answer`` on the text between the answer
 tags (``reward/reasoning_gym``). Each prompt starts with one worked example of the task
 (``shots=1``): without it SmolLM2 never writes the answer tags (0 of 32 held-out questions
-scored at level 0, measured), with it some answers are scored from the first step. Held-out questions are drawn at the hardest level from another
+scored at level 0, measured), with it 1 of 16 was answered right at level 0 before training. Held-out questions are drawn at the hardest level from another
 seed and scored greedily before and after training.
 
 Printed: one line per step (level, pass rate, reward), then held-out accuracy at the hardest
