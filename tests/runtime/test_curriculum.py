@@ -148,3 +148,31 @@ def test_resume_is_bit_identical_with_the_curriculum_moving(tmp_path):
     assert [k for k, *_ in panels["curriculum level"]] == ["curriculum/level"]
     assert [k for k, *_ in panels["curriculum pass rate"]] == ["curriculum/pass_rate", "curriculum/window_pass_rate"]
     assert (tmp_path / "full" / "plot.png").exists()
+
+
+def test_resume_is_bit_identical_under_the_asynchronous_pipeline(tmp_path):
+    """max_staleness=1, deterministic: batch j sees steps up to j - 2, and a checkpoint keeps the
+    outcomes recorded after the next batch was drawn."""
+    def step():
+        recipe = ml.replace(grpo, "rewards", lambda g: ml.reward(even_sum))
+        return ml.compile(recipe, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                          group_size=2, max_new_tokens=5, lr=1e-3, temperature=1.0, seed=0, max_staleness=1,
+                          deterministic=True)
+
+    def run(run_dir, steps, **kw):
+        s = step()
+        try:
+            result = train(s, Levels(), steps=steps, batch_size=2, save_every=1, run_dir=run_dir, progress=False,
+                           tensorboard=False, seed=3,
+                           curriculum=Curriculum(raise_above=0.6, lower_below=0.4, window=4, pool_size=6), **kw)
+        finally:
+            s.close()
+        return result, [p.detach().clone() for p in s.agents["policy"].parameters()]
+
+    full, w_full = run(tmp_path / "full", 7)
+    run(tmp_path / "half", 3)
+    resumed, w_resumed = run(tmp_path / "half", 7, resume=tmp_path / "half")
+    keys = ("loss", "curriculum/level", "curriculum/pass_rate", "curriculum/window_pass_rate", "curriculum/next_level")
+    assert len({h["curriculum/level"] for h in full["history"]}) > 1
+    assert [[h[k] for k in keys] for h in full["history"][3:]] == [[h[k] for k in keys] for h in resumed["history"]]
+    assert all(torch.equal(a, b) for a, b in zip(w_full, w_resumed))
