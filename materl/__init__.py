@@ -41,6 +41,9 @@ _EXPORTS = {
     "materl.runtime.train": ["train", "train_rlhf"],
     "materl.runtime.evaluate": ["evaluate"],
     "materl.runtime.export": ["export"],
+    "materl.runtime.curriculum": ["Curriculum", "Knobbed"],
+    "materl.runtime.early_stop": ["EarlyStopping"],
+    "materl.runtime.reasoning_tasks": ["ReasoningGymTask"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 _SUBMODULES = {"kernels", "ops", "recipes", "benchmark", "tools"}

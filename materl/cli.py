@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=3 (repeatable)")
     _placement_flags(t)
+    _early_stopping_flags(t)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
@@ -116,6 +117,17 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", dest="overrides", action=_AsOverride, key="model.dtype",
                    choices=["float32", "bfloat16", "float16"],
                    help="compute dtype (weights and optimizer state stay float32; default: bf16 on CUDA)")
+
+
+def _early_stopping_flags(p: argparse.ArgumentParser) -> None:
+    """``--early-stopping METRIC``, ``--patience N``, ``--min-delta X``: the same as ``--set
+    train.early_stopping.metric=...`` (any of them turns early stopping on)."""
+    p.add_argument("--early-stopping", dest="overrides", action=_AsOverride, key="train.early_stopping.metric",
+                   metavar="METRIC", help="stop when this eval metric (e.g. eval/accuracy) stops improving")
+    p.add_argument("--patience", dest="overrides", action=_AsOverride, key="train.early_stopping.patience",
+                   metavar="N", help="evaluations without improvement before stopping (default 3)")
+    p.add_argument("--min-delta", dest="overrides", action=_AsOverride, key="train.early_stopping.min_delta",
+                   metavar="X", help="the least change that counts as an improvement (default 0)")
 
 
 class _AsOverride(argparse.Action):

@@ -11,18 +11,24 @@ from pathlib import Path
 
 import materl as ml
 from materl.compiler.compiled import Compiled
+from materl.runtime.config import eval_level
 from materl.runtime.data import load_rows
+from materl.runtime.reasoning_tasks import REWARD, is_task_source, task_from_source
 from materl.runtime.resolve import import_symbol, is_dotted, resolve_recipe
 from materl.runtime.tasks import arithmetic_split
 
 
 def build_from_config(cfg, *, load_data: bool = True):
     """Agents, recipe and compiled step from a TrainConfig; returns (compiled, train_rows, test_rows)
-    (empty row lists when not ``load_data``). User code named ``module:attribute`` (the recipe,
+    (empty row lists when not ``load_data``; under ``data.curriculum`` the train "rows" are the
+    task itself, which ``ml.train`` draws from). A ``reasoning_gym:<task>`` source replaces the
+    recipe's rewards with the task's scorer unless ``rewards`` are given. User code named ``module:attribute`` (the recipe,
     rewards) is found on sys.path, next to the config file or in the working directory."""
     options = cfg.compile_options()
     recipe = resolve_recipe(cfg.recipe, tools=cfg.tools, tool_timeout_s=options.tool_timeout_s,
                             search=cfg.search_dirs)
+    if not cfg.rewards and is_task_source(cfg.data.source):  # the task's own scorer, unless rewards are given
+        recipe = ml.replace(recipe, "rewards", lambda graph: ml.reward(REWARD, name=REWARD))
     if cfg.rewards:
         fns = [import_symbol(spec.name, search=cfg.search_dirs, what=f"rewards[{i}].name")
                if is_dotted(spec.name) else spec.name for i, spec in enumerate(cfg.rewards)]
@@ -50,7 +56,14 @@ def build_from_config(cfg, *, load_data: bool = True):
 
 
 def _data_from_config(cfg) -> tuple[list, list]:
+    """(train rows, held-out rows); under a curriculum, (the task, held-out rows at its eval level)."""
     d = cfg.data
+    if is_task_source(d.source):
+        task = task_from_source(d.source, options=d.params, level=d.level, seed=d.seed)
+        test = task.rows(d.test_size, seed=d.seed + 1, level=eval_level(d, task)) if d.test_size else []
+        if d.curriculum is not None:
+            return task, test
+        return task.rows(d.train_size or 256, exclude=frozenset(r["rg_entry"]["question"] for r in test)), test
     if d.source == "arithmetic":
         return arithmetic_split(d.train_size, d.test_size, seed=d.seed, **d.params)
     if Path(d.source).suffix in (".jsonl", ".json"):

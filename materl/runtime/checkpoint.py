@@ -24,7 +24,8 @@ half-written temp folder is never taken for a checkpoint (only ``step-*`` folder
 manifest are) and is removed by the next save. A first SIGINT/SIGTERM during a save waits for it
 (``signals.deferred``). A failed write (a full disk) raises CheckpointError naming the file and
 the space needed, after removing the temp folder. Checkpoints beyond ``keep_last`` are deleted
-only after the new one is complete, each renamed out of ``step-*`` first. Loading checks every
+only after the new one is complete, each renamed out of ``step-*`` first; the one that
+``checkpoints/best`` names (``mark_best``, early stopping's best step) is never pruned. Loading checks every
 file against the manifest; from a run dir, a damaged latest falls back to the newest intact one
 with a warning (``fallback=False``: an error). (verl: ``global_step_N`` folders +
 ``latest_checkpointed_iteration.txt``, written in place, no checksums; TRL:
@@ -58,6 +59,7 @@ FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified
 READABLE = (1, 2)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
+BEST = "best"  # pointer file naming the best checkpoint (early stopping); never pruned
 STATE = "state.json"
 _PREFIX = "step-"
 _TMP = ".tmp-"
@@ -224,13 +226,36 @@ def _config_yaml(config: Any) -> str:
                           sort_keys=False)
 
 
+def mark_best(run_dir: str | os.PathLike, step: int) -> Path:
+    """Point ``checkpoints/best`` at step ``step``'s checkpoint (atomically); it is then kept
+    whatever ``keep_last`` says. Returns that checkpoint's folder."""
+    root = Path(run_dir) / CHECKPOINTS
+    name = step_dir_name(step)
+    if not _complete(root / name):
+        raise CheckpointError(f"cannot mark step {step} as best: {root / name} is not a complete checkpoint")
+    _write_text(root / BEST, name + "\n")
+    _fsync_dir(root)
+    return root / name
+
+
+def best_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The checkpoint ``checkpoints/best`` names, or None."""
+    root = Path(run_dir) / CHECKPOINTS
+    try:
+        name = (root / BEST).read_text().strip()
+    except OSError:
+        return None
+    return root / name if _complete(root / name) else None
+
+
 def _prune(root: Path, *, keep_last: int, keep: str) -> None:
-    """Delete all but the newest ``keep_last`` checkpoints. Each leaves the ``step-*`` names by
-    one rename before its files go, so a kill mid-delete leaves a temp folder (removed by the
-    next save), never a ``step-*`` folder that looks complete and is not."""
+    """Delete all but the newest ``keep_last`` checkpoints and the best one. Each leaves the
+    ``step-*`` names by one rename before its files go, so a kill mid-delete leaves a temp folder
+    (removed by the next save), never a ``step-*`` folder that looks complete and is not."""
     steps = sorted(p for p in root.glob(f"{_PREFIX}*") if p.is_dir())
+    best = best_checkpoint(root.parent)
     for old in steps[:-keep_last]:
-        if old.name != keep:
+        if old.name != keep and (best is None or old.name != best.name):
             doomed = root / f"{_TMP}pruned-{old.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             os.rename(old, doomed)
             shutil.rmtree(doomed, ignore_errors=True)

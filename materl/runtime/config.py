@@ -40,7 +40,10 @@ from materl.engines.models import NAMED_MODELS, lora_options
 from materl.errors import ConfigError, MaterlError
 from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
+from materl.runtime.curriculum import Curriculum, check_knobbed
+from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.logging import require_backend
+from materl.runtime.reasoning_tasks import is_task_source, task_from_source
 from materl.runtime.resolve import is_dotted
 from materl.validation import describe, did_you_mean
 
@@ -152,10 +155,48 @@ class RewardSpec(_Section):
                          f"{', '.join(REWARDS.names())} or 'package.module:function'")
 
 
+class CurriculumSection(_Section):
+    """``materl.runtime.curriculum.Curriculum``'s fields, plus ``eval_level``: the level of the
+    held-out rows (null: the hardest)."""
+    start_level: int = Field(default=0, ge=0)
+    raise_above: float = Field(default=0.8, ge=0.0, le=1.0)
+    lower_below: float = Field(default=0.2, ge=0.0, le=1.0)
+    window: int = Field(default=32, ge=1)
+    pass_score: float = 1.0
+    pool_size: int = Field(default=256, ge=1)
+    band: tuple[float, float] | None = None
+    eval_level: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _valid(self):
+        try:
+            self.curriculum()
+        except ConfigError as e:
+            raise ValueError(str(e).removeprefix("curriculum: ")) from None
+        return self
+
+    def curriculum(self) -> Curriculum:
+        return Curriculum(**self.model_dump(exclude={"eval_level"}))
+
+
+class EarlyStoppingSection(_Section):
+    """``materl.runtime.early_stop.EarlyStopping``: stop when ``metric`` (an ``eval/`` metric) has
+    not improved by more than ``min_delta`` for ``patience`` evaluations."""
+    metric: str = "eval/accuracy"
+    mode: Literal["max", "min"] = "max"
+    patience: int = Field(default=3, ge=1)
+    min_delta: float = Field(default=0.0, ge=0.0)
+
+    def early_stopping(self) -> EarlyStopping:
+        return EarlyStopping(**self.model_dump())
+
+
 class DataSection(_Section):
-    """Where prompts come from: ``arithmetic`` (a seeded generator), a JSONL file, or a
-    ``datasets`` folder saved with ``save_to_disk``. ``train_size``/``test_size`` are the split
-    sizes (``train_size: null`` = every row not held out); ``params`` go to the generator.
+    """Where prompts come from: ``arithmetic`` (a seeded generator), ``reasoning_gym:<task>``
+    (a reasoning-gym task, ``materl.runtime.reasoning_tasks``: ``params`` its options, ``level``
+    a fixed difficulty, ``curriculum`` a moving one), a JSONL file, or a ``datasets`` folder saved
+    with ``save_to_disk``. ``train_size``/``test_size`` are the split sizes (``train_size: null`` =
+    every row not held out); ``params`` go to the generator.
     A prompt longer than ``max_prompt_tokens`` (and than the model's context less
     ``compile.max_new_tokens``) is an error naming the row, or with ``truncation: left`` / ``right``
     cut to fit (verl: ``data.max_prompt_length``, ``data.truncation``)."""
@@ -166,6 +207,8 @@ class DataSection(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context less max_new_tokens
     truncation: Literal["error", "left", "right"] = "error"  # an over-long prompt: an error, or cut (left keeps the end)
+    level: int | None = Field(default=None, ge=0)  # reasoning_gym: a fixed difficulty level of the task's knobs
+    curriculum: CurriculumSection | None = None  # reasoning_gym (a dataset with knobs): a level moved by the pass rate
 
 
 class TrainSection(_Section):
@@ -182,6 +225,14 @@ class TrainSection(_Section):
     run_dir: str = "runs/materl"
     resume: str | bool | None = None  # a checkpoint/run dir, or true: this run_dir's latest
     resume_fallback: bool = True  # a damaged latest checkpoint: warn and resume from the newest intact one
+    early_stopping: EarlyStoppingSection | None = None  # needs eval_every >= 1 and a held-out split
+
+    @model_validator(mode="after")
+    def _early_stopping_evaluates(self) -> TrainSection:
+        if self.early_stopping is not None and not self.eval_every:
+            raise ValueError("early_stopping needs evaluations: set eval_every >= 1 (evaluations are what it "
+                             "compares), and data.test_size >= 1")
+        return self
 
     @model_validator(mode="after")
     def _warmup_fits(self) -> TrainSection:
@@ -366,7 +417,7 @@ def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConf
         cfg = TrainConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(describe(e, TrainConfig, where=f"config ({where})")) from None
-    _check_data_source(cfg.data.source, where)
+    _check_data_source(cfg.data, where)
     return cfg
 
 
@@ -424,13 +475,37 @@ def _check_model(name: str) -> str:
 def _resolve_data_source(data: dict[str, Any], config_dir: Path) -> None:
     section = data.get("data")
     source = section.get("source") if isinstance(section, dict) else None
-    if not isinstance(source, str) or source in DATA_GENERATORS or Path(source).is_absolute():
+    if not isinstance(source, str) or source in DATA_GENERATORS or is_task_source(source) or Path(source).is_absolute():
         return
     if not Path(source).exists() and (config_dir / source).exists():
         section["source"] = str(config_dir / source)
 
 
-def _check_data_source(source: str, where: str) -> None:
+def eval_level(data: DataSection, task: Any) -> int | None:
+    """The difficulty level of the held-out rows: ``curriculum.eval_level`` (default the
+    hardest) under a curriculum, else ``data.level`` (None: the task's own options)."""
+    if data.curriculum is None:
+        return data.level
+    return data.curriculum.eval_level if data.curriculum.eval_level is not None else task.levels - 1
+
+
+def _check_data_source(data: DataSection, where: str) -> None:
+    source = data.source
+    if is_task_source(source):
+        try:
+            task = task_from_source(source, options=data.params, level=data.level, seed=data.seed)
+            if data.curriculum is not None:
+                if data.level is not None:
+                    raise ConfigError(f"data.level={data.level} fixes the difficulty and data.curriculum moves it; "
+                                      f"set one (curriculum.start_level is where a curriculum starts)")
+                check_knobbed(task, data.curriculum.curriculum())
+                task.rows_at(eval_level(data, task), 1, seed=data.seed)
+        except MaterlError as e:
+            raise type(e)(f"data.source {source!r} ({where}): {e}") from None
+        return
+    if data.level is not None or data.curriculum is not None:
+        raise ConfigError(f"data.level / data.curriculum need a dataset with difficulty knobs (reasoning_gym:<task>); "
+                          f"data.source is {source!r} ({where})")
     if source in DATA_GENERATORS:
         return
     p = Path(source).expanduser()
@@ -438,7 +513,8 @@ def _check_data_source(source: str, where: str) -> None:
         return
     raise ConfigError(f"data.source: {source!r} is not a generator, a .jsonl file or a saved `datasets` folder "
                       f"({'not found' if not p.exists() else 'unsupported file type'}); accepted: "
-                      f"{', '.join(DATA_GENERATORS)}, a path to a .jsonl file, a datasets.save_to_disk folder "
+                      f"{', '.join(DATA_GENERATORS)}, reasoning_gym:<task>, a path to a .jsonl file, "
+                      f"a datasets.save_to_disk folder "
                       f"(in {where})")
 
 

@@ -22,7 +22,7 @@ from materl.runtime.config import TrainConfig, apply_override, validate_config
 from materl.runtime.data import split_columns
 from materl.runtime.prompts import prepare_rows
 
-ACCURACY_COMPONENTS = ("answer", "exact_match", "math_answer")
+ACCURACY_COMPONENTS = ("answer", "exact_match", "math_answer", "reasoning_gym")
 
 
 def summarize(compiled, episodes) -> dict[str, float]:

@@ -223,6 +223,8 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("tool success", ("tool_success", "eval/tool_success")),
     ("tokens/s", ("tokens_per_s",)),
     ("held-out accuracy", ("eval/accuracy",)),
+    ("curriculum level", ("curriculum/level",)),
+    ("curriculum pass rate", ("curriculum/pass_rate", "curriculum/window_pass_rate")),
 )
 
 

@@ -26,9 +26,12 @@ from materl.runtime.build import build_from_config
 from materl import compute
 from materl.distributed.launch import rollout_side
 from materl.distributed.pipeline import Pipeline
-from materl.runtime.checkpoint import load_checkpoint, load_tensors, restore, save_checkpoint
+from materl.runtime.checkpoint import (BEST, CHECKPOINTS, best_checkpoint, load_checkpoint, load_tensors,
+                                       mark_best, restore, save_checkpoint)
 from materl.runtime.config import config_to_dict, validate_config
+from materl.runtime.curriculum import Curriculum, CurriculumSampler, Knobbed
 from materl.runtime.data import Sampler, load_rows
+from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.prompts import prepare_rows
 from materl.runtime.evaluate import evaluate_async
 from materl.runtime import signals
@@ -57,7 +60,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           tensorboard: bool | None = None, wandb: bool = False, mlflow: bool = False, config: dict | None = None,
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
           learner_ranks: int = 1, learner_strategy: str = "ddp", max_prompt_tokens: int | None = None,
-          truncation: str = "error") -> dict[str, Any]:
+          truncation: str = "error", curriculum: Curriculum | None = None,
+          early_stopping: EarlyStopping | None = None) -> dict[str, Any]:
     """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
     history, evaluations and the last checkpoint path. Every record has metrics.jsonl's keys:
     ``history`` the step's metrics, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
@@ -87,6 +91,13 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     ``max_prompt_tokens``); an over-long prompt is a ``DataError`` naming the row, or cut with
     ``truncation="left"`` (keep the end) or ``"right"``.
 
+    ``curriculum`` (``materl.runtime.curriculum``): ``dataset`` is then a dataset that declares
+    difficulty knobs (a ``ReasoningGymTask``), drawn at a level the running pass rate moves;
+    ``curriculum/*`` metrics per step, its state in checkpoints. ``early_stopping``
+    (``materl.runtime.early_stop``, needs ``eval_every``): stop when the evaluation metric has not
+    improved for ``patience`` evaluations; the best step is checkpointed and named
+    ``checkpoints/best`` (``best_checkpoint`` and ``stopped_at`` in the summary).
+
     ``resume``: a checkpoint folder or a run dir (its latest). Every file is checked against the
     checkpoint's manifest first; a damaged latest of a run dir is skipped with a warning naming
     the file, for the newest intact one (``resume_fallback=False``: CheckpointError instead).
@@ -99,7 +110,14 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     random.seed(seed)
     np.random.seed(seed)
     fit = {"max_prompt_tokens": max_prompt_tokens, "truncation": truncation}
-    sampler = Sampler(prepare_rows(compiled, dataset, **fit), batch_size=batch_size, seed=seed, shuffle=shuffle)
+    if early_stopping is not None:
+        if not (eval_every and eval_dataset is not None):
+            given = "given" if eval_dataset is not None else None
+            raise ConfigError(f"early_stopping ({early_stopping.metric}) needs evaluations: set eval_every >= 1 and "
+                              f"an eval_dataset (got eval_every={eval_every}, eval_dataset={given})")
+        if not resume:
+            (Path(run_dir) / CHECKPOINTS / BEST).unlink(missing_ok=True)  # a former run's best is not this one's
+    sampler = _sampler(compiled, dataset, curriculum, batch_size=batch_size, seed=seed, shuffle=shuffle, fit=fit)
     eval_rows = prepare_rows(compiled, eval_dataset, where="eval_dataset", **fit) if eval_dataset is not None else None
     run.schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(lr_schedule, steps=steps,
                                                                               warmup_steps=warmup_steps))
@@ -112,6 +130,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         ckpt = load_checkpoint(resume, fallback=resume_fallback)
         restore(ckpt, agents=compiled.agents, optimizers=compiled.optimizers, schedulers=run.schedulers)
         sampler.load_state_dict(ckpt.data_state["sampler"])
+        if early_stopping is not None and "early_stopping" in ckpt.data_state:
+            early_stopping.load_state_dict(ckpt.data_state["early_stopping"])
         compiled.step_count = run.start = int(ckpt.step)
         for agent in compiled.agents.values():
             if agent.trainable:
@@ -121,6 +141,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
                            mlflow=mlflow, config=config)
     run.eval_rows = eval_rows
     run.eval_every, run.save_every, run.samples_every, run.on_step = eval_every, save_every, samples_every, on_step
+    run.sampler, run.early_stopping = sampler, early_stopping
     states: dict[int, dict] = {}  # batch index -> data position before it
 
     def next_batch(k: int) -> list[dict]:
@@ -128,8 +149,10 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         return sampler.next_batch()
 
     def data_position(k: int) -> dict:
-        """The sampler state before batch ``k``: recorded if the producer already drew it, else now."""
-        return states.pop(k) if k in states else sampler.state_dict()
+        """The sampler state before batch ``k``: recorded if the producer already drew it, else now
+        (a curriculum adds the outcomes recorded since, which that batch did not see)."""
+        before = states.pop(k) if k in states else sampler.state_dict()
+        return sampler.checkpoint_state(before, k) if curriculum is not None else before
 
     interrupted = False
     try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
@@ -137,7 +160,9 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         signals.rearm()
         pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
                             max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
-                            progress=lambda k, total: run.logger.step_bar(k + 1, total), learner=run.ranks)
+                            progress=lambda k, total: run.logger.step_bar(k + 1, total),
+                            learner=run.ranks if curriculum is None else
+                            _Observed(compiled if run.ranks is None else run.ranks, sampler.observe, run.start))
         compiled.call_blocking(run.loop, pipeline, data_position)
     except KeyboardInterrupt:  # SIGINT/SIGTERM (materl.runtime.signals): stop now, keep the last checkpoint
         interrupted = True
@@ -153,7 +178,44 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
 
             ray.shutdown()  # the local cluster (or the connection) this call started
     return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
-            "run_dir": str(run_dir)}
+            "run_dir": str(run_dir), "best_checkpoint": _best(run, early_stopping),
+            "stopped_at": run.stopped_at}
+
+
+def _sampler(compiled, dataset: Any, curriculum: Curriculum | None, *, batch_size: int, seed: int, shuffle: bool,
+             fit: dict) -> Sampler | CurriculumSampler:
+    """Batches over ``dataset``'s checked rows, or drawn by ``curriculum`` from a Knobbed dataset."""
+    if curriculum is not None:
+        return CurriculumSampler(dataset, curriculum, batch_size=batch_size, seed=seed,
+                                 max_staleness=compiled.options.max_staleness,
+                                 prepare=lambda rows, where: prepare_rows(compiled, rows, where=where, **fit))
+    if isinstance(dataset, Knobbed) and not isinstance(dataset, (list, tuple)):
+        raise ConfigError(f"{dataset!r} is a dataset with difficulty knobs, drawn from by a curriculum: pass "
+                          f"curriculum=ml.Curriculum(...), or rows (e.g. task.split(256, 32)[0], task.rows(256))")
+    return Sampler(prepare_rows(compiled, dataset, **fit), batch_size=batch_size, seed=seed, shuffle=shuffle)
+
+
+def _best(run: _Run, early_stopping: EarlyStopping | None) -> str | None:
+    """The best checkpoint's folder (this call's, or a resumed run's earlier one)."""
+    best = run.best_ckpt or (best_checkpoint(run.run_dir) if early_stopping is not None else None)
+    return str(best) if best else None
+
+
+class _Observed:
+    """The learner, with ``observe(step, episodes)`` called before each step learns (a
+    curriculum's outcomes are then recorded before the next batch may be drawn)."""
+
+    def __init__(self, learner, observe, start: int):
+        self.learner, self.observe, self.step = learner, observe, start
+
+    async def learn(self, episodes, **kwargs):
+        self.observe(self.step, episodes)
+        self.step += 1
+        return await self.learner.learn(episodes, **kwargs)
+
+
+class _StopEarly(Exception):
+    """Raised by a step's bookkeeping when early stopping's patience ran out (after its save)."""
 
 
 class _Run:
@@ -162,23 +224,30 @@ class _Run:
     def __init__(self, compiled, run_dir: Path, *, steps: int, keep_last: int, config: dict | None):
         self.compiled, self.run_dir, self.steps, self.keep_last, self.config = compiled, run_dir, steps, keep_last, config
         self.start, self.history, self.evals, self.last_ckpt = 0, [], [], None
+        self.best_ckpt, self.stopped_at, self.early_stopping, self.sampler = None, None, None, None
         self.schedulers: dict = {}
         self.ranks = None  # a RankedLearner when the learner runs on ranks
 
     async def loop(self, pipeline: Pipeline, data_position) -> None:
         if self.eval_every and self.start == 0:
-            await self.evaluate(0)
+            if await self.evaluate(0):
+                await self.save(0, {}, pipeline, data_position(0), best=True)
         self._t0 = time.perf_counter()
         self._lrs = {self.start: self._lr()}
-        await pipeline.run(self.start, self.steps, lambda k, metrics: self.after_step(k, metrics, pipeline,
-                                                                                      data_position))
-        if self.eval_every and self.steps % self.eval_every:
-            await self.evaluate(self.steps)
+        try:
+            await pipeline.run(self.start, self.steps, lambda k, metrics: self.after_step(k, metrics, pipeline,
+                                                                                          data_position))
+        except _StopEarly:
+            return
+        if self.eval_every and self.steps % self.eval_every and await self.evaluate(self.steps):
+            self._mark_best(self.steps)  # the last step is always saved
 
     async def after_step(self, k: int, metrics: dict, pipeline: Pipeline, data_position) -> None:
         """Step ``k``'s bookkeeping: LR schedule, logs, samples, evaluation, checkpoint."""
         step = k + 1
         self.logger.end_step_bar(step)
+        if isinstance(self.sampler, CurriculumSampler):
+            metrics.update(self.sampler.metrics(k))
         with warnings.catch_warnings():  # with learner ranks, or on a skipped step, the optimizers did not step
             if self.ranks is not None or metrics.get("infra_failures/update_skipped"):
                 warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
@@ -194,10 +263,14 @@ class _Run:
         self._samples(step)
         if self.on_step is not None:
             self.on_step(step, metrics)
-        if self.eval_every and step % self.eval_every == 0:
-            await self.evaluate(step)
-        if (self.save_every and step % self.save_every == 0) or step == self.steps:
-            await self.save(step, metrics, pipeline, data_position(step))
+        improved = bool(self.eval_every and step % self.eval_every == 0 and await self.evaluate(step))
+        stop = self.early_stopping is not None and self.early_stopping.should_stop
+        if (self.save_every and step % self.save_every == 0) or step == self.steps or improved or stop:
+            await self.save(step, metrics, pipeline, data_position(step), best=improved)
+        if stop:
+            self.stopped_at = step
+            self.logger.log(step, {"early_stopping/stopped": 1.0})
+            raise _StopEarly(step)
 
     def _lr(self) -> float:
         return next(iter(self.schedulers.values())).get_last_lr()[0] if self.schedulers else 0.0
@@ -209,16 +282,22 @@ class _Run:
                                                           metrics=_reward_terms(e))
                                            for e in self.compiled.last_episodes[:4]])
 
-    async def evaluate(self, step: int) -> None:
+    async def evaluate(self, step: int) -> bool:
+        """Evaluate at ``step``; True when early stopping's metric improved on its best."""
         if self.eval_rows is None:
-            return
+            return False
         with self.logger.episode_bar(len(self.eval_rows), f"eval @ step {step}") as tick:
             result = await evaluate_async(self.compiled, self.eval_rows, on_episode=tick)
         record = {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
         self.evals.append({"step": step, **record})  # the keys metrics.jsonl has
         self.logger.log(step, record)
+        return self.early_stopping is not None and self.early_stopping.update(step, record)
 
-    async def save(self, step: int, metrics: dict, pipeline: Pipeline, sampler_state: dict | None) -> None:
+    def _mark_best(self, step: int) -> None:
+        self.best_ckpt = mark_best(self.run_dir, step)
+
+    async def save(self, step: int, metrics: dict, pipeline: Pipeline, sampler_state: dict | None, *,
+                   best: bool = False) -> None:
         """A checkpoint after ``step``: weights, optimizers, schedulers, the data position of the
         next batch, and the policy versions the next batches may still sample from."""
         versions = {f"v{v}/{k}": t for v in pipeline.needed_versions(step) if v < step
@@ -228,8 +307,16 @@ class _Run:
             await anyio.to_thread.run_sync(self.ranks.pull_state)  # the ranks' optimizer states
         self.last_ckpt = await compute.acall(
             save_checkpoint, self.run_dir, step, agents=c.agents, optimizers=c.optimizers, schedulers=self.schedulers,
-            data_state={"sampler": sampler_state}, config=self.config, metrics=metrics, keep_last=self.keep_last,
+            data_state=self._data_state(sampler_state), config=self.config, metrics=metrics, keep_last=self.keep_last,
             tensors={VERSIONS: versions} if versions else None)
+        if best:
+            self._mark_best(step)
+
+    def _data_state(self, sampler_state: dict | None) -> dict:
+        state = {"sampler": sampler_state}
+        if self.early_stopping is not None:
+            state["early_stopping"] = self.early_stopping.state_dict()
+        return state
 
 
 VERSIONS = "policy_versions"  # checkpoint tensors: the recent versions an asynchronous run still needs
@@ -283,6 +370,8 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
     if cfg.logging.wandb and (problem := wandb_login_problem()):
         raise ConfigError(problem)
     compiled, train_rows, test_rows = build_from_config(cfg, load_data=rows is None)
+    curriculum = cfg.data.curriculum.curriculum() if cfg.data.curriculum is not None else None
+    stopping = cfg.train.early_stopping.early_stopping() if cfg.train.early_stopping is not None else None
     if rows is not None:
         rows = load_rows(rows)
         test_rows, train_rows = rows[: cfg.data.test_size], rows[cfg.data.test_size:]
@@ -298,43 +387,55 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        config=config_to_dict(cfg), workers=cfg.distributed.workers,
                        ray_address=cfg.distributed.ray_address, weight_transport=cfg.distributed.weight_transport,
                        learner_ranks=cfg.distributed.learner_ranks, learner_strategy=cfg.distributed.learner_strategy,
-                       max_prompt_tokens=cfg.data.max_prompt_tokens, truncation=cfg.data.truncation)
+                       max_prompt_tokens=cfg.data.max_prompt_tokens, truncation=cfg.data.truncation,
+                       curriculum=curriculum, early_stopping=stopping)
     finally:
         compiled.close()
     last = result["history"][-1] if result["history"] else {}
+    stopped = {k: result[k] for k in ("best_checkpoint", "stopped_at")} if stopping is not None else {}
     return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
-            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"]}
+            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"], **stopped}
 
 
 def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "grpo", dataset: Any = "arithmetic",
                reward_functions: Any = (), tools: Any = (), steps: int = 100, batch_size: int = 8,
                lora: dict | None = None, use_mojo: bool = True, test_size: int = 32, eval_every: int = 0,
-               run_dir: str = "runs/materl", seed: int = 0, **compile_options: Any) -> dict[str, Any]:
+               run_dir: str = "runs/materl", seed: int = 0, dataset_options: dict | None = None,
+               level: int | None = None, curriculum: dict | None = None, early_stopping: dict | None = None,
+               **compile_options: Any) -> dict[str, Any]:
     """Train in one call (TRL-style high-level API); the same validated path as ``materl train``.
 
         result = ml.train_rlhf("smollm2-135m-instruct", algorithm="grpo_tools", dataset="arithmetic",
                                tools=["python -m materl.tools.calculator"], steps=20, lr=3e-5)
 
     ``algorithm``: a built-in recipe (``materl recipes`` lists them). ``dataset``: ``"arithmetic"``
-    (generated), a ``.jsonl`` file, a folder saved by ``datasets``, or rows in memory (a list of
-    dicts or a ``datasets.Dataset``); the first ``test_size`` rows are held out for evaluation.
+    (generated), ``"reasoning_gym:<task>"`` (its options in ``dataset_options``, a fixed ``level``
+    or a ``curriculum`` dict as in a config's ``data.curriculum``; the task's scorer is the reward
+    unless ``reward_functions`` are given), a ``.jsonl`` file, a folder saved by ``datasets``, or
+    rows in memory (a list of dicts or a ``datasets.Dataset``); the first ``test_size`` rows are
+    held out for evaluation. ``early_stopping``: a config's ``train.early_stopping`` dict.
     ``reward_functions``: names (``"length"``), ``"module:function"`` strings, ``(name, weight)``
     pairs or ``{"name", "weight", "params"}`` dicts, summed; empty keeps the recipe's rewards.
     ``use_mojo``: Mojo kernels where available (else the torch ops). Other keywords are compile
     options (``lr=``, ``group_size=``, ``max_new_tokens=`` ...). Bad values fail before anything
     loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
-    "evals", "checkpoint", "run_dir"}``.
+    "evals", "checkpoint", "run_dir"}`` (and ``"best_checkpoint", "stopped_at"`` with early stopping).
     """
     in_memory = not isinstance(dataset, (str, Path))
     specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]
     cfg = validate_config({
         "model": {"name": model_name, "lora": lora}, "recipe": algorithm, "rewards": specs, "tools": list(tools),
-        "data": {"source": "arithmetic" if in_memory else str(dataset), "test_size": test_size, "seed": seed},
+        "data": {"source": "arithmetic" if in_memory else str(dataset), "test_size": test_size, "seed": seed,
+                 **_given(params=dataset_options, level=level, curriculum=curriculum)},
         "compile": {"kernels": "auto" if use_mojo else "torch", **compile_options},
         "train": {"steps": steps, "batch_size": batch_size, "eval_every": eval_every, "run_dir": run_dir,
-                  "seed": seed},
+                  "seed": seed, **_given(early_stopping=early_stopping)},
     }, where="train_rlhf")
     return train_from_config(cfg, rows=dataset if in_memory else None)
+
+
+def _given(**kwargs: Any) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if v is not None}
 
 
 def _reward_spec(r: Any) -> dict[str, Any]:
