@@ -8,6 +8,7 @@ import inspect
 
 from materl.errors import RecipeError
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
+from materl.rollout.judge_http import DEFAULT_MAX_ANSWER_BYTES
 
 
 def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: str = "auto",
@@ -45,7 +46,7 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
 def judge(rubric: str, *, model, rollout=None, relative: bool = False, weight: float = 1.0, name: str | None = None,
           parse=None, api_key: str | None = None, model_name: str = "judge", max_concurrency: int = 8,
           timeout_s: float = 60.0, retries: int = 2, max_new_tokens: int = 256,
-          temperature: float = 0.0, max_answer_bytes: int = 1 << 20, backoff_s: float = 1.0,
+          temperature: float = 0.0, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, backoff_s: float = 1.0,
           max_backoff_s: float = 60.0) -> RewardExpr:
     """A reward term scored by an LLM judge against ``rubric``: ``model`` is a materl ``Agent``
     (in process) or an OpenAI-compatible base URL (``model_name``/``api_key`` for its requests).
