@@ -57,7 +57,7 @@ def constitutional_recipe(judge_url: str, judge_model: str = "judge", api_key: s
 
 def rule_answer(system: str, user: str) -> str:
     """The rule judge: a principle's score, or a critique and revision."""
-    response = user.split("Response:\n", 1)[-1].split("\n\nReference answer", 1)[0]
+    response = user.split("<response>\n", 1)[-1].split("\n</response>", 1)[0]  # the judge's delimited response
     response = response.removeprefix("[assistant] ")  # the judge's transcript marks the turn
     words = response.split()
     if "rewrite it" in system:  # the critique-then-revise request

@@ -42,6 +42,7 @@ class Episode:
     values: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)  # readable records for the run's samples (a judge's answer)
     error: Any = None  # a materl.compiler.failures.Failure once the episode failed
     filtered: bool = False  # left out by a group filter (dynamic sampling)
     infra: str | None = None  # the first tool failure that was not the model's (failures.INFRA_ERROR_KINDS)

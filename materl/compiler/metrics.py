@@ -1,6 +1,7 @@
 """What a step reports about its rollouts: episode counts, reward means and spreads per reward
-node and per reward term (and per-episode ``agent/`` figures), trained tokens, tool calls and
-their success (0 and 0 on a tool recipe's step without a call) and per-node times."""
+node and per reward term (and per-episode ``agent/`` and ``judge/`` figures), trained tokens,
+tool calls and their success (0 and 0 on a tool recipe's step without a call) and per-node
+times."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
             key = "reward" if name == reward_nodes[0] else f"reward/{name}"
             m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
             m[f"{key}/std"] = float(totals.std(unbiased=False))
-    comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/"))})
+    comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/", "judge/"))})
     for k in comps:
         vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
         m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))

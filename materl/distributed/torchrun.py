@@ -30,6 +30,7 @@ import argparse
 import datetime
 import gc
 import importlib
+import ipaddress
 import json
 import os
 import pickle
@@ -68,12 +69,63 @@ def free_port() -> int:
 def init_process_group(rank: int, world_size: int, *, master_addr: str, master_port: int, device: str = "cpu",
                        timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join the default process group over TCP (gloo on CPU, NCCL on CUDA: ``device`` is this
-    rank's, e.g. ``"cuda:1"``)."""
+    rank's, e.g. ``"cuda:1"``). With ``master_addr`` on loopback (ranks on one machine) every
+    socket the group listens on is on loopback (``loopback_store``, ``GLOO_SOCKET_IFNAME`` /
+    ``NCCL_SOCKET_IFNAME`` set to the loopback interface unless already set); otherwise the
+    rendezvous is PyTorch's (``tcp://``), which listens on every interface so that other
+    machines can reach it."""
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group(backend_for(dev), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # torchrun's store: every rank a client
+    if not is_loopback(master_addr) or agent_store:
+        dist.init_process_group(backend_for(dev), init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return
+    interface = loopback_interface()
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+    store = loopback_store(rank, world_size, master_addr, master_port, timeout=timeout)
+    dist.init_process_group(backend_for(dev), store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def is_loopback(addr: str) -> bool:
+    """``localhost`` or a loopback IP (127.0.0.0/8, ::1, ::ffff:127.0.0.1)."""
+    if addr == "localhost":
+        return True
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS), if found."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def loopback_store(rank: int, world_size: int, host: str, port: int, *, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's rendezvous for ranks on one machine: rank 0 serves a TCPStore on ``host``
+    (loopback) only, through a socket bound here (PyTorch's own TCPStore server binds every
+    interface, whatever host it is given: an unauthenticated key-value store that anyone on the
+    network could write to); the other ranks connect to it as clients. (torch.distributed's
+    ``tcp://`` rendezvous, with ``master_listen_fd``.)"""
+    host = "127.0.0.1" if host == "localhost" else host
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world_size))
+    except BaseException:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())
 
 
 def init_from_env(*, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import inspect
 
 from materl.errors import RecipeError
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
+from materl.rollout.judge_http import DEFAULT_MAX_ANSWER_BYTES
 
 
 def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: str = "auto",
@@ -45,15 +46,20 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
 def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = False, weight: float = 1.0,
           name: str | None = None, parse=None, api_key: str | None = None, model_name: str = "judge",
           max_concurrency: int = 8, timeout_s: float = 60.0, retries: int = 2, max_new_tokens: int = 256,
-          temperature: float = 0.0, principles=None, aggregate: str = "mean", revise: str | None = None) -> RewardExpr:
+          temperature: float = 0.0, max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, backoff_s: float = 1.0,
+          max_backoff_s: float = 60.0, principles=None, aggregate: str = "mean",
+          revise: str | None = None) -> RewardExpr:
     """A reward term scored by an LLM judge against ``rubric``: ``model`` is a materl ``Agent``
     (in process) or an OpenAI-compatible base URL (``model_name``/``api_key`` for its requests).
     Each episode's rollout (default: the recipe's latest) is judged as soon as it exists, while
     other episodes still generate; ``relative=True`` judges a group's episodes in one call,
     scored against each other (ART's RULER). ``parse``: ``text -> float`` (``text, n ->
     list[float]`` when relative) instead of reading ``Score: x`` lines. Calls are bounded by
-    ``max_concurrency``, each attempt by ``timeout_s``, retried ``retries`` times; a judge that
-    still fails or answers unparseably fails the episode with its error. Compose with ``+``:
+    ``max_concurrency``, each attempt by ``timeout_s``, a URL judge's answer by
+    ``max_answer_bytes``; failed calls are retried ``retries`` times after a jittered backoff
+    from ``backoff_s`` doubling to ``max_backoff_s`` (or the server's ``Retry-After``, up to
+    ``max_backoff_s``); a judge that still fails or answers unparseably fails the episode with
+    its error. Compose with ``+``:
     ``ml.judge(...) + ml.reward(exact_answer)``. See ``materl.rollout.judge``.
 
     ``principles=[...]`` instead of a rubric: one judge call per principle (strings, or dicts with
@@ -68,7 +74,9 @@ def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = Fa
                            name=name, aggregate=aggregate, revise=revise,
                            options=dict(parse=parse, api_key=api_key, model_name=model_name,
                                         max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
-                                        max_new_tokens=max_new_tokens, temperature=temperature))
+                                        max_new_tokens=max_new_tokens, temperature=temperature,
+                                        max_answer_bytes=max_answer_bytes, backoff_s=backoff_s,
+                                        max_backoff_s=max_backoff_s))
     if aggregate != "mean" or revise is not None:
         raise RecipeError(f"ml.judge(aggregate={aggregate!r}, revise={revise!r}) apply to principles=[...]; this "
                           f"judge has a rubric and no principles")
@@ -79,7 +87,8 @@ def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = Fa
         raise RecipeError(f"ml.judge(rollout=...) needs a Value from the recipe, got {rollout!r}")
     the_judge = Judge(model, rubric, api_key=api_key, model_name=model_name, parse=parse,
                       max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
-                      max_new_tokens=max_new_tokens, temperature=temperature)
+                      max_new_tokens=max_new_tokens, temperature=temperature, max_answer_bytes=max_answer_bytes,
+                      backoff_s=backoff_s, max_backoff_s=max_backoff_s)
     b = active_builder("ml.judge")
     scored = rollout if rollout is not None else b.latest_completions("ml.judge")
     if scored is None:

@@ -37,7 +37,7 @@ import anyio
 
 from materl.errors import ConfigError, RewardError
 from materl.ops.rewards import REWARD_AGGREGATORS, Reward, VectorReward
-from materl.rollout.judge import Judge, transcript
+from materl.rollout.judge import Judge, delimited, transcript
 from materl.rollout.types import Rollout
 
 REVISE_MODES = (None, "score", "prefer")
@@ -120,8 +120,8 @@ class PrincipleJudge:
     async def critique(self, task: str, rollout: Rollout) -> str:
         """The critic's revision of the episode's answer (also kept in ``metadata["revision"]``)."""
         messages = [{"role": "system", "content": self.critic.rubric},
-                    {"role": "user", "content": f"Task:\n{task}\n\nResponse:\n{transcript(rollout)}"}]
-        revision = await self.critic.ask(messages, parse_revision)
+                    {"role": "user", "content": delimited(task, rollout)}]
+        revision = (await self.critic.ask(messages, parse_revision)).value
         rollout.metadata["revision"] = revision
         return revision
 

@@ -135,17 +135,25 @@ class Rollout:
 
     # -- text views --
     @property
+    def response_start(self) -> int:
+        """Where the model's own turns begin in ``messages`` (``len(messages)`` without any): the
+        one split of the chat history into the prompt and the episode's response (``question``,
+        an LLM judge's transcript). Every generate step adds one assistant message, so the
+        model's turns are the last n assistant messages, n the generate steps of the last
+        segment (``messages`` are that segment's); a few-shot prompt's example turns come before
+        them, environment observations and tool results after."""
+        last_segment = max((i for i, s in enumerate(self.steps) if s.metadata.get(SEGMENT_START)), default=-1)
+        assistant = [i for i, m in enumerate(self.messages) if m.get("role") == "assistant"]
+        n = min(sum(s.kind == "generate" for s in self.steps[last_segment + 1:]), len(assistant))
+        return assistant[len(assistant) - n] if n else len(self.messages)
+
+    @property
     def question(self) -> str:
         """What the episode was asked: ``prompt_text`` when set, else the last user message before
-        the model's first turn (a few-shot prompt's example turns come before it). Every generate
-        step adds one assistant message, so the model's turns are the last ``num_turns``
-        assistant messages; environment observations after them are not the question."""
+        the model's first turn (``response_start``)."""
         if self.prompt_text:
             return self.prompt_text
-        assistant = [i for i, m in enumerate(self.messages) if m.get("role") == "assistant"]
-        model_turns = min(self.num_turns, len(assistant))
-        first = assistant[len(assistant) - model_turns] if model_turns else len(self.messages)
-        return last_user_message(self.messages[:first])
+        return last_user_message(self.messages[:self.response_start])
 
     @property
     def text(self) -> str:

@@ -25,9 +25,12 @@ manifest are) and is removed by the next save. A first SIGINT/SIGTERM during a s
 (``signals.deferred``). A failed write (a full disk) raises CheckpointError naming the file and
 the space needed, after removing the temp folder. Checkpoints beyond ``keep_last`` are deleted
 only after the new one is complete, each renamed out of ``step-*`` first; the one that
-``checkpoints/best`` names (``mark_best``, early stopping's best step) is never pruned. Loading checks every
-file against the manifest; from a run dir, a damaged latest falls back to the newest intact one
-with a warning (``fallback=False``: an error). (verl: ``global_step_N`` folders +
+``checkpoints/best`` names (``mark_best``, early stopping's best step) is never pruned. Loading
+checks every file against the manifest, read strictly (``manifest.read_manifest``,
+``checkpoint_meta``): a malformed manifest or state.json, a format-2 checkpoint without its
+manifest, a path that leads out of the checkpoint folder or a ``latest`` that leads out of the
+run is damage like a changed file. From a run dir, a damaged latest falls back to the newest
+intact one with a warning (``fallback=False``: an error). (verl: ``global_step_N`` folders +
 ``latest_checkpointed_iteration.txt``, written in place, no checksums; TRL:
 ``transformers.Trainer`` ``checkpoint-N`` with ``save_total_limit``. Deliberate difference:
 rename-into-place so no reader ever sees a partial checkpoint, and checksums so none loads a
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import uuid
 import warnings
@@ -47,20 +49,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from materl.errors import CheckpointError, ConfigError
 from materl.runtime import signals
+from materl.runtime.checkpoint_meta import LATEST, READABLE, STATE, read_latest, read_state
 from materl.runtime.config import config_to_dict
-from materl.runtime.manifest import MANIFEST, has_manifest, save_error, verify, write_manifest, writing
+from materl.runtime.manifest import MANIFEST, confined, has_manifest, save_error, verify, write_manifest, writing
+from materl.runtime.rng import rng_state, set_rng_state
 
 FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified
-READABLE = (1, 2)
 CHECKPOINTS = "checkpoints"
-LATEST = "latest"
 BEST = "best"  # pointer file naming the best checkpoint (early stopping); never pruned
-STATE = "state.json"
 _PREFIX = "step-"
 _TMP = ".tmp-"
 
@@ -159,11 +159,9 @@ def _state_bytes(agents: Mapping[str, Any], optimizers: Mapping[str, Any]) -> in
 
 
 def _latest_name(root: Path) -> str | None:
-    try:
-        name = (root / LATEST).read_text().strip()
-    except OSError:
-        return None
-    return name if (root / name).is_dir() else None
+    """The checkpoint folder ``root/latest`` names, if it names one of this run."""
+    return read_latest(root)[0]
+
 
 
 def _write_agents(folder: Path, agents: Mapping[str, Any]) -> None:
@@ -318,17 +316,24 @@ class Checkpoint:
 def candidates(path_or_run_dir: str | os.PathLike) -> tuple[list[Path], bool]:
     """The checkpoints ``path_or_run_dir`` names, newest first, and whether it named one folder
     itself. A run dir or a ``checkpoints`` folder names the one ``latest`` points at, then the
-    complete ``step-*`` folders before it (all of them, without a readable ``latest``)."""
+    complete ``step-*`` folders before it (all of them, without a usable ``latest``); a
+    ``step-*`` entry that is a symlink is not one of the run's checkpoints."""
+    return _candidates(path_or_run_dir)[:2]
+
+
+def _candidates(path_or_run_dir: str | os.PathLike) -> tuple[list[Path], bool, list[str]]:
+    """``candidates``, and what is wrong with the run's ``latest`` (``read_latest``), if anything."""
     p = Path(path_or_run_dir)
     if _complete(p):
-        return [p], True
+        return [p], True, []
     for root in (p / CHECKPOINTS, p):
-        complete = sorted((d for d in root.glob(f"{_PREFIX}*") if _complete(d)), reverse=True)
-        latest = _latest_name(root)
+        complete = sorted((d for d in root.glob(f"{_PREFIX}*") if not d.is_symlink() and _complete(d)), reverse=True)
+        latest, problem = read_latest(root)
+        problems = [problem] if problem else []
         if latest is not None and _complete(root / latest):
-            return [root / latest] + [d for d in complete if d.name < latest], False
-        if complete:
-            return complete, False
+            return [root / latest] + [d for d in complete if d.name < latest], False, problems
+        if complete or problems:
+            return complete, False, problems
     raise ConfigError(f"no checkpoint at {str(p)!r}: expected a step-NNNNNN folder with {MANIFEST} (or {STATE}), or "
                       f"a run dir whose {CHECKPOINTS}/{LATEST} names one")
 
@@ -340,8 +345,11 @@ def _complete(folder: Path) -> bool:
 
 def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:
     """A checkpoint folder from itself, a run dir or a ``checkpoints`` folder (via ``latest``;
-    without a readable ``latest``, the highest complete ``step-*``). Does not verify it."""
-    return candidates(path_or_run_dir)[0][0]
+    without a usable ``latest``, the highest complete ``step-*``). Does not verify it."""
+    folders, _, problems = _candidates(path_or_run_dir)
+    if not folders:
+        raise CheckpointError(f"no checkpoint at {str(path_or_run_dir)!r}: {'; '.join(problems)}")
+    return folders[0]
 
 
 def load_checkpoint(path_or_run_dir: str | os.PathLike, *, fallback: bool = True, verify_files: bool = True
@@ -351,8 +359,9 @@ def load_checkpoint(path_or_run_dir: str | os.PathLike, *, fallback: bool = True
     changed) raises CheckpointError naming the file; given a run dir, ``fallback`` instead warns
     (CheckpointWarning) and takes the newest intact checkpoint before it. A checkpoint from before
     manifests (format 1) loads with a warning that it cannot be verified."""
-    folders, explicit = candidates(path_or_run_dir)
-    damaged: list[str] = []
+    folders, explicit, damaged = _candidates(path_or_run_dir)
+    if damaged and not fallback:
+        raise CheckpointError(f"{damaged[0]} (train.resume_fallback: true resumes from the newest intact checkpoint)")
     for folder in folders:
         try:
             ckpt = _load_one(folder, verify_files=verify_files)
@@ -374,26 +383,31 @@ class CheckpointWarning(UserWarning):
 
 
 def _load_one(path: Path, *, verify_files: bool) -> Checkpoint:
+    """One checkpoint folder's metadata, after its files are checked against the manifest; any
+    damage (a file, the manifest or state.json malformed, a path leading out) is a CheckpointError."""
     import yaml
 
-    if has_manifest(path):
-        if verify_files:
-            verify(path)
-    else:
+    manifest = has_manifest(path)
+    if manifest:
+        verify(path, hashes=verify_files)  # the schema and the paths always; sizes and hashes unless told not to
+    state = read_state(path)
+    if not manifest:
+        if state["format"] >= 2:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is missing, but {STATE} says format "
+                                  f"{state['format']}, which always has one: its files cannot be trusted")
         warnings.warn(f"checkpoint {str(path)!r} has no {MANIFEST} (format 1, saved by an older materl): its files "
                       f"cannot be verified", CheckpointWarning, stacklevel=3)
     try:
-        state = json.loads((path / STATE).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {str(path)!r}: file {STATE} is unreadable ({exc})") from None
-    if state.get("format") not in READABLE:
-        raise ConfigError(f"checkpoint {str(path)!r} has format {state.get('format')!r}; this materl reads "
-                          f"{', '.join(map(str, READABLE))}")
-    agents = {name: json.loads((path / "agents" / name / "agent.json").read_text()) for name in state["agents"]}
-    config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else None
-    return Checkpoint(path=path, step=int(state["step"]), data_state=state.get("data_state") or {},
-                      metrics=state.get("metrics") or {}, config=config, agents=agents,
-                      optimizers=list(state.get("optimizers", [])), schedulers=list(state.get("schedulers", [])))
+        agents = {name: json.loads(confined(path, f"agents/{name}/agent.json", what="agent").read_text())
+                  for name in state["agents"]}
+        config = yaml.safe_load((path / "config.yaml").read_text()) if (path / "config.yaml").exists() else None
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        raise CheckpointError(f"checkpoint {str(path)!r}: unreadable ({exc})") from None
+    if not all(isinstance(a, dict) for a in agents.values()):
+        raise CheckpointError(f"checkpoint {str(path)!r}: an agent.json is not a JSON object")
+    return Checkpoint(path=path, step=state["step"], data_state=state["data_state"], metrics=state["metrics"],
+                      config=config, agents=agents, optimizers=state["optimizers"], schedulers=state["schedulers"])
+
 
 
 def restore(checkpoint: Checkpoint | str | os.PathLike, *, agents: Mapping[str, Any],
@@ -424,34 +438,6 @@ def restore(checkpoint: Checkpoint | str | os.PathLike, *, agents: Mapping[str, 
 def _device_of(model: torch.nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-# ----------------------------------------------------------------------------- RNG
-
-
-def rng_state() -> dict[str, Any]:
-    """torch (CPU and every CUDA device), python ``random`` and numpy global RNG states, as
-    tensors/tuples that ``torch.load(weights_only=True)`` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
-    }
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Inverse of :func:`rng_state`: the next draws of every generator repeat the saved run's."""
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
-                         n["cached_gaussian"]))
 
 
 # ----------------------------------------------------------------------------- files

@@ -397,11 +397,13 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
 # ----------------------------------------------------------------------------- episodes
 
 
-def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str, Any] | None = None) -> str:
+def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str, Any] | None = None,
+                   notes: Mapping[str, str] | None = None) -> str:
     """A readable rendering of a :class:`materl.rollout.types.Rollout`: the question
     (``Rollout.question``), each turn (generated text, tool calls, malformed calls), each tool
-    result or error, step rewards, the episode error, and ``metrics`` (e.g. an episode's
-    ``reward/<term>`` values).
+    result or error, step rewards, the episode error, ``metrics`` (an episode's ``reward/<term>``
+    values as REWARDS, others such as ``judge/<node>/calls`` as METRICS) and ``notes`` (an
+    episode's ``judge/<node>`` answers).
 
     ``tokenizer`` decodes token ids when a step (or the prompt) carries no text.
     """
@@ -436,8 +438,12 @@ def format_episode(rollout: Any, tokenizer: Any = None, *, metrics: Mapping[str,
     if rewards:
         lines.append(f"STEP REWARDS: {', '.join(f'{r:.3g}' for r in rewards)} (sum {sum(rewards):.3g})")
     shown = {k: v for k, v in numeric(metrics or {}).items() if v is not None}
-    if shown:
-        lines.append("REWARDS: " + ", ".join(f"{k}={v:.3g}" for k, v in sorted(shown.items())))
+    for label, keys in (("REWARDS", [k for k in shown if k.startswith("reward")]),
+                        ("METRICS", [k for k in shown if not k.startswith("reward")])):
+        if keys:
+            lines.append(f"{label}: " + ", ".join(f"{k}={shown[k]:.3g}" for k in sorted(keys)))
+    for key, text in sorted((notes or {}).items()):
+        lines.append(f"{key} answered: {_clip(text, 2000)}")
     if rollout.error:
         lines.append(f"EPISODE ERROR: {rollout.error}")
     return "\n".join(lines)

@@ -62,33 +62,77 @@ def has_manifest(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
-def verify(folder: Path) -> None:
+def verify(folder: Path, *, hashes: bool = True) -> None:
     """Check every file against ``folder/manifest.json``; CheckpointError naming the first file
-    that is missing, has another size or another SHA-256 (or an unreadable manifest)."""
+    that is missing, has another size or another SHA-256, or leads outside ``folder``, or what
+    makes the manifest unreadable (``read_manifest``). ``hashes=False`` checks the manifest
+    and the paths only."""
     where = f"checkpoint {str(folder)!r}"
-    try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        files = manifest["files"]
-        algorithm = manifest.get("algorithm", ALGORITHM)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(f"{where}: {MANIFEST} is missing or unreadable ({exc})") from None
-    if algorithm != ALGORITHM:
-        raise CheckpointError(f"{where}: {MANIFEST} uses checksum {algorithm!r}; this materl checks {ALGORITHM}")
-    for rel, expected in sorted(files.items()):
-        path = folder / rel
+    files = read_manifest(folder)
+    for rel, (expected_size, expected_digest) in sorted(files.items()):
+        path = confined(folder, rel, what="manifest entry")
         if not path.is_file():
             raise CheckpointError(f"{where}: file {rel} is missing (the manifest lists it)")
+        if not hashes:
+            continue
         size = path.stat().st_size
-        if size != expected["size"]:
-            raise CheckpointError(f"{where}: file {rel} has {size} bytes, the manifest says {expected['size']} "
+        if size != expected_size:
+            raise CheckpointError(f"{where}: file {rel} has {size} bytes, the manifest says {expected_size} "
                                   f"(truncated or overwritten)")
         digest = file_digest(path)
-        if digest != expected[ALGORITHM]:
+        if digest != expected_digest:
             raise CheckpointError(f"{where}: file {rel} does not match its {ALGORITHM} in the manifest "
-                                  f"({digest[:12]}... instead of {expected[ALGORITHM][:12]}...): its bytes changed")
+                                  f"({digest[:12]}... instead of {expected_digest[:12]}...): its bytes changed")
     extra = sorted(set(_files(folder)) - set(files))
     if extra:
         raise CheckpointError(f"{where}: file {extra[0]} is not in the manifest (added after the save)")
+
+
+_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+def read_manifest(folder: Path) -> dict[str, tuple[int, str]]:
+    """``folder/manifest.json`` as relative path -> (size, sha256), checked against the schema
+    ``build_manifest`` writes: an object with ``algorithm`` "sha256" and ``files``, an object
+    whose every entry is an object with exactly an int ``size`` >= 0 and a 64-hex ``sha256``.
+    Anything else (unreadable, not JSON, files as a list, an entry as a string or without its
+    sha256) is a damaged checkpoint: CheckpointError naming what is wrong."""
+    where = f"checkpoint {str(folder)!r}: {MANIFEST}"
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointError(f"{where} is missing or unreadable ({exc})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        got = type(manifest.get("files")).__name__ if isinstance(manifest, dict) else f"a JSON {type(manifest).__name__}"
+        raise CheckpointError(f"{where} is malformed: expected an object with 'files' an object of path -> "
+                              f"{{size, {ALGORITHM}}}, got {got}")
+    if manifest.get("algorithm", ALGORITHM) != ALGORITHM:
+        raise CheckpointError(f"{where} uses checksum {manifest.get('algorithm')!r}; this materl checks {ALGORITHM}")
+    files = {}
+    for rel, entry in manifest["files"].items():
+        if not (isinstance(entry, dict) and set(entry) == {"size", ALGORITHM}
+                and type(entry["size"]) is int and entry["size"] >= 0
+                and isinstance(entry[ALGORITHM], str) and _HEX.fullmatch(entry[ALGORITHM])):
+            raise CheckpointError(f"{where} is malformed: entry {rel!r} is {json.dumps(entry)[:200]}; expected "
+                                  f'{{"size": <int >= 0>, "{ALGORITHM}": <64 hex digits>}}')
+        files[rel] = (entry["size"], entry[ALGORITHM])
+    return files
+
+
+def confined(folder: Path, rel: str, *, what: str) -> Path:
+    """``folder / rel`` where ``rel`` is a relative path that stays inside ``folder``, symlinks
+    followed; CheckpointError for an absolute path, ``..``, an empty part, or a symlink that
+    leads out (a checkpoint reads only its own files)."""
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {what} {rel!r} is not a path inside the checkpoint "
+                              f"folder (absolute, or with '..', '.' or empty parts)")
+    path = folder / rel
+    real, base = path.resolve(), folder.resolve()
+    if not real.is_relative_to(base):
+        raise CheckpointError(f"checkpoint {str(folder)!r}: {what} {rel!r} leads outside the checkpoint folder "
+                              f"(to {str(real)!r}, through a symlink)")
+    return path
 
 
 # ----------------------------------------------------------------------------- write failures

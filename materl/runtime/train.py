@@ -279,7 +279,7 @@ class _Run:
         if self.samples_every and step % self.samples_every == 0:
             tok = next(iter(self.compiled.agents.values())).tokenizer
             self.logger.log_samples(step, [format_episode(self.compiled.episode_rollout(e), tok,
-                                                          metrics=_reward_terms(e))
+                                                          metrics=_reward_terms(e), notes=e.notes)
                                            for e in self.compiled.last_episodes[:4]])
 
     async def evaluate(self, step: int) -> bool:
@@ -358,8 +358,9 @@ async def _close_workers(workers) -> None:
 
 
 def _reward_terms(episode) -> dict[str, float]:
-    """An episode's reward terms (``reward/<term>``) and the total it was trained on."""
-    return {k: v for k, v in episode.metrics.items() if k.startswith("reward/")}
+    """An episode's reward terms (``reward/<term>``) and the total it was trained on, and its
+    judges' calls (``judge/<node>/calls``)."""
+    return {k: v for k, v in episode.metrics.items() if k.startswith(("reward/", "judge/"))}
 
 
 def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from materl.engines.base import SamplingParams
 from materl.errors import ConfigError, RecipeError, RewardError
 from materl.rollout.endpoint import AgentEndpoint, AgentSession
 from materl.rollout.episode import EpisodeState
-from materl.rollout.judge import ABSOLUTE, parse_ranking, parse_score, transcript
+from materl.rollout.judge import absolute_messages, parse_ranking, parse_score
 from tests.rollout.taught import teach
 
 
@@ -78,8 +78,7 @@ async def test_a_taught_judge_is_read_by_the_default_parser():
     first = await rollout(judged(ml.Agent("tiny-random"), parse=lambda t: 0.0), prompts=("hi",))
     task, reply = first[0].prompt, first[0].values["rollout"]
     judge_model = ml.Agent("tiny-random")
-    messages = [{"role": "system", "content": ABSOLUTE.format(rubric="Is it a friendly reply?")},
-                {"role": "user", "content": f"Task:\n{task}\n\nResponse:\n{transcript(reply)}"}]
+    messages = absolute_messages("Is it a friendly reply?", task, reply)
     teach(judge_model, [(EpisodeState.start(judge_model.tokenizer, messages).ids, "Looks kind.\nScore: 0.75")])
     episodes = await rollout(judged(judge_model, max_new_tokens=32), prompts=("hi",))
     assert [ep.values["judge"] for ep in episodes] == [0.75, 0.75]  # greedy policy: both replies are the same

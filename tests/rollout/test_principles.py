@@ -8,7 +8,7 @@ import pytest
 import materl as ml
 from materl.errors import ConfigError, RewardError, UnknownNameError
 from materl.rollout.episode import EpisodeState
-from materl.rollout.judge import ABSOLUTE, transcript
+from materl.rollout.judge import absolute_messages, delimited
 from materl.rollout.principles import CRITIQUE, PrincipleJudge, as_principles, parse_revision, preference_pairs
 from materl.rollout.types import Rollout, Step
 from tests.rollout.taught import teach
@@ -23,8 +23,7 @@ def answer(text: str) -> Rollout:
 
 
 def judge_messages(rubric: str, task: str, r: Rollout) -> list[dict]:  # what Judge.score asks
-    return [{"role": "system", "content": ABSOLUTE.format(rubric=rubric)},
-            {"role": "user", "content": f"Task:\n{task}\n\nResponse:\n{transcript(r)}"}]
+    return absolute_messages(rubric, task, r)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +64,7 @@ async def test_critique_then_revise_gives_a_preferred_sample():
     critic_model = ml.Agent("tiny-random")
     r = answer("no")
     messages = [{"role": "system", "content": CRITIQUE.format(principles="- Be kind.\n- Be brief.")},
-                {"role": "user", "content": f"Task:\nq\n\nResponse:\n{transcript(r)}"}]
+                {"role": "user", "content": delimited("q", r)}]
     teach(critic_model, [(EpisodeState.start(critic_model.tokenizer, messages).ids, "Rude.\nRevision: yes, gladly")])
     judge = PrincipleJudge(critic_model, PRINCIPLES, revise="prefer", parse=lambda text: 0.5, max_new_tokens=40)
     await judge.revise_all(["q"], [r])

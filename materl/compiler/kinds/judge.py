@@ -5,6 +5,11 @@ exists, while other episodes still generate (the judge's latency overlaps the ro
 by the judge's semaphore). Relative judging (RULER) is group-scope: a group's episodes go to the
 judge in one call once the group is done. A judge failure fails the episode (absolute) or the
 group's episodes (relative), with the judge's error recorded.
+
+Each judged episode records the call that scored it: ``judge/<node>/calls`` in its metrics (the
+requests sent, 1 + the retries used; for a relative call, the group's call, so each of its
+episodes shows the same count), reported per step as its mean and spread, and the judge's
+answer in its ``notes`` (shown in the run's samples).
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ from materl.graph.node import Node
 
 
 async def judge_episode(run: Run, node: Node, ep: Episode, rollout) -> float:
-    return await node.params["judge"].score(prompt_text(ep.prompt), as_rollout(rollout))
+    verdict = await node.params["judge"].verdict(prompt_text(ep.prompt), as_rollout(rollout))
+    record(node, ep, verdict)
+    return verdict.value
+
+
+def record(node: Node, ep: Episode, verdict) -> None:
+    """The judge call behind ``ep``'s score, in its metrics and notes (module docstring)."""
+    ep.metrics[f"judge/{node.name}/calls"] = float(verdict.attempts)
+    ep.notes[f"judge/{node.name}"] = verdict.answer
 
 
 async def judge_groups(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
@@ -33,12 +46,13 @@ async def judge_groups(run: Run, node: Node, eps: list[Episode], inputs: list[li
 
     async def one(members: list[int]) -> None:
         try:
-            ranked = await judge.rank(prompt_text(eps[members[0]].prompt), [rollouts[i] for i in members])
+            verdict = await judge.group_verdict(prompt_text(eps[members[0]].prompt), [rollouts[i] for i in members])
         except Exception as exc:  # noqa: BLE001 - raised below as itself, not as an ExceptionGroup
             errors.append(exc)
             return
-        for i, s in zip(members, ranked):
+        for i, s in zip(members, verdict.value):
             scores[i] = s
+            record(node, eps[i], verdict)
 
     async with anyio.create_task_group() as tg:
         for members in groups.values():
