@@ -37,7 +37,7 @@ import anyio
 
 from materl.errors import ConfigError, RewardError
 from materl.ops.rewards import REWARD_AGGREGATORS, Reward, VectorReward
-from materl.rollout.judge import Judge, delimited, transcript
+from materl.rollout.judge import Judge, delimited
 from materl.rollout.types import Rollout
 
 REVISE_MODES = (None, "score", "prefer")
