@@ -14,13 +14,19 @@ Recovery rules (``_Supervised.call``):
    wait for a free slot and for a (re)starting server is not counted (the latter is bounded by
    ``start_timeout_s``).
 2. When the server dies under a call (the process exits, the pipe or HTTP transport fails, or
-   it is killed by rule 3), every call in flight on it is retried once on the new instance with
-   the rest of its time, unless ``retry_on_crash=False`` (non-idempotent tools) or
-   ``restart=False``. Retries run one at a time (beside new calls), so the call that caused
-   the crash crashes its retry alone: it fails with kind ``"crash"`` after at most two
-   restarts, and a crash caused by one call never fails another. (Two different calls that
-   each crash the server while both are in flight can still fail a third call whose retry
-   overlaps the second crash; ``isolation="episode"`` confines crashes to one episode.)
+   it is killed by rule 3), a call in flight on it is retried once on the new instance with the
+   rest of its time when running it again is safe (``retry_safe``): with
+   ``retry_on_crash="idempotent"`` (the default) when its tool declares itself read-only or
+   idempotent (MCP tool annotations ``readOnlyHint`` / ``idempotentHint``), with ``True`` always,
+   with ``False`` never; never with ``restart=False``. A call that is not retried fails with
+   kind ``"crash"``, saying why. A retry runs alone on the instance: it waits for the calls in
+   flight there to end, and no new call starts until it ends (a readers-writer gate, ``_Gate``).
+   So the call that caused the crash crashes its retry alone and fails after at most two
+   restarts, and a call that was merely in flight when a neighbour crashed the server (even
+   twice) is never failed by it: its retry overlaps no other call. (Whether the server had
+   started a call when it died cannot be known from outside: a request written to a pipe may
+   or may not have been read. Only the tool can say that running it twice is harmless, which is
+   what MCP's annotations are for; ``isolation="episode"`` confines crashes to one episode.)
 3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
    kind in between) kill it; it is replaced like a crashed one (a server that hangs without
    closing its pipe is restarted instead of failing every later call).
@@ -57,6 +63,58 @@ from materl.rollout.mcp_spec import RECONNECT_S, MCPServer
 log = logging.getLogger("materl.rollout.mcp")
 
 
+class _Gate:
+    """Many shared holders or one exclusive holder (a readers-writer lock); an exclusive request
+    waiting keeps new shared holders out, so a retry is not starved by a stream of new calls."""
+
+    def __init__(self) -> None:
+        self.shared_holders = 0
+        self.exclusive_held = False
+        self.exclusive_waiting = 0
+        self._changed = anyio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    @contextlib.asynccontextmanager
+    async def shared(self):
+        while self.exclusive_held or self.exclusive_waiting:
+            await self._changed.wait()
+        self.shared_holders += 1
+        try:
+            yield
+        finally:
+            self.shared_holders -= 1
+            self._notify()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self):
+        self.exclusive_waiting += 1
+        try:
+            while self.exclusive_held or self.shared_holders:
+                await self._changed.wait()
+        finally:
+            self.exclusive_waiting -= 1
+        self.exclusive_held = True
+        try:
+            yield
+        finally:
+            self.exclusive_held = False
+            self._notify()
+
+
+def retry_safe(tool: Any) -> bool:
+    """Whether an MCP tool declares that running it again is harmless: annotations
+    ``readOnlyHint`` or ``idempotentHint`` true (both default to false in MCP)."""
+    notes = getattr(tool, "annotations", None)
+    if notes is None:
+        return False
+    hints = (getattr(notes, name, None) for name in ("read_only_hint", "readOnlyHint", "idempotent_hint",
+                                                      "idempotentHint"))
+    return any(h is True for h in hints)
+
+
 @dataclass(frozen=True)
 class ServerPolicy:
     """The resolved settings of one server (``MCPServer`` fields over ``mcp_tools`` defaults)."""
@@ -64,7 +122,7 @@ class ServerPolicy:
     timeout_s: float | None  # None: the caller's default (the compiled step's tool_timeout_s)
     max_concurrency: int
     restart: bool
-    retry_on_crash: bool
+    retry_on_crash: bool | str  # True, False or "idempotent" (mcp_spec.RETRY_ON_CRASH)
     restart_after_timeouts: int  # 0: never restart for timeouts
     isolation: str  # "shared" | "episode"
     pool_size: int  # instances kept started and unused (a shared server's ready replacement, or new episodes')
@@ -171,11 +229,13 @@ class _Pool:
 class _Supervised:
     """One logical server handle; see the recovery rules in the module docstring."""
 
-    def __init__(self, pool: _Pool, name: str, stats: Counter, first: _Instance | None = None):
+    def __init__(self, pool: _Pool, name: str, stats: Counter, first: _Instance | None = None, *,
+                 retry_safe_tools: frozenset[str] = frozenset()):
         self.pool, self.name, self.stats = pool, name, stats
         self.policy = pool.policy
+        self.retry_safe_tools = retry_safe_tools  # tools that declare running again harmless
         self.slots = anyio.Semaphore(self.policy.max_concurrency)
-        self._suspects = anyio.Lock()
+        self._gate = _Gate()  # first attempts shared, retries exclusive (rule 2)
         self.current: _Instance | None = None
         self.down: str | None = None
         self.closing = False
@@ -187,12 +247,18 @@ class _Supervised:
         if first is not None:
             self._adopt(first)
 
+    def may_retry(self, tool: str) -> bool:
+        """Rule 2: whether a call of ``tool`` that its server died under may run again."""
+        how = self.policy.retry_on_crash
+        return how is True or (how == "idempotent" and tool in self.retry_safe_tools)
+
     async def call(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
         async with self.slots:
-            answer, budget = await self._attempt(tool, args, timeout_s, 1)
+            async with self._gate.shared():
+                answer, budget = await self._attempt(tool, args, timeout_s, 1)
             if not answer.died:
                 return answer._replace(server_s=timeout_s - budget)
-            if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
+            if budget > 0 and self.may_retry(tool) and self.policy.restart and not self.closing:
                 self.stats["retries"] += 1
                 answer, budget = await self._retry(tool, args, budget)
                 if not answer.died:
@@ -205,12 +271,12 @@ class _Supervised:
                           server_s=used)
 
     async def _retry(self, tool: str, args: dict[str, Any], budget: float) -> tuple[Answer, float]:
-        """Rule 2: retried calls are sent one at a time. Waiting for the server to be back is not
-        serialised: calls in flight when an HTTP server went away each wait at most
-        ``reconnect_s`` side by side, not one after another."""
+        """Rule 2: a retried call runs alone on the instance (the gate held exclusively). Waiting
+        for the server to be back is not serialised: calls in flight when an HTTP server went
+        away each wait at most ``reconnect_s`` side by side, not one after another."""
         if await self._live() is None:
             return Answer(self._unavailable(tool), "unavailable", attempts=2), budget
-        async with self._suspects:
+        async with self._gate.exclusive():
             return await self._attempt(tool, args, budget, 2)
 
     async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
@@ -233,8 +299,12 @@ class _Supervised:
             why = "it died again on the retry after a restart"
         elif not self.policy.restart:
             why = "restart=False, so it stays down"
-        elif not self.policy.retry_on_crash:
+        elif self.policy.retry_on_crash is False:
             why = "not retried (retry_on_crash=False); the server is being restarted"
+        elif not self.may_retry(tool):
+            why = (f"not retried: {tool!r} does not declare itself read-only or idempotent (MCP annotations "
+                   f"readOnlyHint / idempotentHint), so it may have run before the crash and must not run twice "
+                   f"(retry_on_crash='idempotent'); the server is being restarted")
         else:
             why = "the toolbox is closing"
         return f"tool {tool!r} failed: its server {self.name!r} crashed during the call ({reason}); {why}"
@@ -359,6 +429,7 @@ class _MCPBackend:
         self.spec, self.name, self.policy = spec, name, policy
         self.stats: Counter = Counter()
         self.tools: list[Any] = []
+        self.retry_safe_tools: frozenset[str] = frozenset()
         self.pool = _Pool(spec, name, policy, self.stats)
         self.shared: _Supervised | None = None
         self.episodes: dict[str, _Supervised] = {}
@@ -372,8 +443,9 @@ class _MCPBackend:
             await first.close()
             raise
         self.tools = first.tools
+        self.retry_safe_tools = frozenset(t.name for t in first.tools if retry_safe(t))
         if self.policy.isolation == "shared":
-            self.shared = _Supervised(self.pool, self.name, self.stats, first)
+            self.shared = _Supervised(self.pool, self.name, self.stats, first, retry_safe_tools=self.retry_safe_tools)
         else:  # unused so far: the first episode gets it
             self.pool.put(first)
         self.pool.refill()
@@ -387,7 +459,8 @@ class _MCPBackend:
                               "invalid_call")
             handle = self.episodes.get(episode_id)
             if handle is None:
-                handle = self.episodes[episode_id] = _Supervised(self.pool, f"{self.name}[{episode_id}]", self.stats)
+                handle = self.episodes[episode_id] = _Supervised(self.pool, f"{self.name}[{episode_id}]", self.stats,
+                                                                 retry_safe_tools=self.retry_safe_tools)
         return await handle.call(tool, args, timeout_s)
 
     def end_episode(self, episode_id: str) -> None:

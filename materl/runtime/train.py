@@ -58,9 +58,10 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           on_step=None, workers: int = 0, ray_address: str | None = None, weight_transport: str = "object_store",
           learner_ranks: int = 1, learner_strategy: str = "ddp", max_prompt_tokens: int | None = None,
           truncation: str = "error") -> dict[str, Any]:
-    """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
-    history, evaluations and the last checkpoint path. Every record has metrics.jsonl's keys:
-    ``history`` the step's metrics, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
+    """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary (``train_result``)
+    with the per-step history, the last step's metrics, evaluations and the last checkpoint path.
+    Every record has metrics.jsonl's keys: ``history`` the steps' metrics, ``final`` the last
+    one's, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
 
     Seeds torch, Python's ``random`` and numpy's global RNG with ``seed`` (reward code that uses
     any of them reproduces). A step whose episodes fail too often raises ``StepFailedError``
@@ -152,8 +153,16 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
             import ray
 
             ray.shutdown()  # the local cluster (or the connection) this call started
-    return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
-            "run_dir": str(run_dir)}
+    return train_result(run.history, run.evals, run.last_ckpt, run_dir)
+
+
+def train_result(history: list[dict], evals: list[dict], checkpoint: Any, run_dir: Any) -> dict[str, Any]:
+    """What ``ml.train``, ``ml.train_rlhf`` and ``materl train`` return, one shape for all:
+    ``history`` (every step's metrics), ``final`` (the last step's, without per-node times),
+    ``evals``, ``checkpoint`` (the last saved, or None) and ``run_dir``."""
+    last = history[-1] if history else {}
+    return {"history": history, "final": {k: v for k, v in last.items() if not k.startswith("time/node")},
+            "evals": evals, "checkpoint": str(checkpoint) if checkpoint else None, "run_dir": str(run_dir)}
 
 
 class _Run:
@@ -301,9 +310,7 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        max_prompt_tokens=cfg.data.max_prompt_tokens, truncation=cfg.data.truncation)
     finally:
         compiled.close()
-    last = result["history"][-1] if result["history"] else {}
-    return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
-            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"]}
+    return result
 
 
 def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "grpo", dataset: Any = "arithmetic",
@@ -322,8 +329,8 @@ def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "g
     pairs or ``{"name", "weight", "params"}`` dicts, summed; empty keeps the recipe's rewards.
     ``use_mojo``: Mojo kernels where available (else the torch ops). Other keywords are compile
     options (``lr=``, ``group_size=``, ``max_new_tokens=`` ...). Bad values fail before anything
-    loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
-    "evals", "checkpoint", "run_dir"}``.
+    loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns what ``ml.train``
+    does (``train_result``: ``history``, ``final``, ``evals``, ``checkpoint``, ``run_dir``).
     """
     in_memory = not isinstance(dataset, (str, Path))
     specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]

@@ -40,8 +40,10 @@ _STR, _NUM, _INT = {"type": "string"}, {"type": "number"}, {"type": "integer"}
 
 
 def _tool(name, props=None, required=()):
+    # every tool but insert declares that running it again is harmless (retried after a crash)
     return {"name": name, "description": f"The {name} tool.",
-            "inputSchema": {"type": "object", "properties": props or {}, "required": list(required)}}
+            "inputSchema": {"type": "object", "properties": props or {}, "required": list(required)},
+            "annotations": {"idempotentHint": name != "insert"}}
 
 
 TOOLS = [_tool("work", {"fault": {**_STR, "enum": list(FAULTS)}, "seconds": _NUM, "size": _INT}),
