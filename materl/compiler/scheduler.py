@@ -54,12 +54,13 @@ async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
         if inspect.isawaitable(out):
             out = await out
     except (TypeError, ValueError, AttributeError) as exc:
-        blame_op_output(run.plan, node, refs, inputs, exc)
+        blame_op_output(run.plan, node, refs, inputs, exc, episodes=[ep.index for ep in eps])
         raise
     return split(out, len(eps), what=f"op {_label(node)} (node {name!r})")
 
 
-def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseException) -> None:
+def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseException, *,
+                    episodes: list[int]) -> None:
     """Raise ``OpOutputError`` naming the custom op (``@ml.op``) whose value made built-in node
     ``node`` fail with ``exc``: the first input from a custom op holding a value that is neither a
     rollout nor numbers (a number, or a row of them). Returns when there is none (the node's own
@@ -70,11 +71,11 @@ def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseEx
         producer = plan.nodes.get(ref.split(".")[0])
         if producer is None or producer.op != "call":
             continue
-        for i, value in enumerate(values):
+        for index, value in zip(episodes, values):
             why = _not_numbers_or_rollout(value)
             if why is not None:
                 raise OpOutputError(
-                    f"op {_label(producer)} (node {producer.name!r}) returned {why} for episode {i}, which node "
+                    f"op {_label(producer)} (node {producer.name!r}) returned {why} for episode {index}, which node "
                     f"{node.name!r} ({node.op}) reads as {ref!r}; it takes a number per episode, a row of numbers per "
                     f"token, or a rollout (it failed with {type(exc).__name__}: {str(exc)[:200]})",
                     node=producer.name) from exc
