@@ -143,7 +143,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from materl.runtime.train import train_from_config
 
-    _print_metrics(train_from_config(cfg))
+    result = train_from_config(cfg)
+    # every step's metrics are in run_dir/metrics.jsonl; the summary is the rest
+    _print_metrics({k: v for k, v in result.items() if k != "history"})
     return 0
 
 

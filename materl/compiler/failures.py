@@ -16,7 +16,9 @@ per compiled step (not every step) and every step's metrics count failures per k
 Infrastructure failures (compile option ``infra_failures``). A tool call that failed for a reason
 that is not the model's (``INFRA_ERROR_KINDS``: timeout, crash, protocol, unavailable; not
 ``invalid_call``, the model's own malformed call, nor ``tool``, the tool's own error result)
-marks its episode (``Episode.infra``). With ``"mask"`` (the default) such an episode is left out
+marks its episode (``Episode.infra``), and so does an outage that an agent's own tool client
+raised (``outage_kind``: its MCP server refused the connection, died or timed out; the MCP SDK
+raises these inside exception groups). With ``"mask"`` (the default) such an episode is left out
 of its group's baseline and of the update, and the rest of its group is normalised without it; a
 group that infrastructure failures leave with fewer than two episodes is dropped whole (one
 episode has no baseline to compare with). ``"keep"`` trains on them as real rewards. Either way

@@ -18,8 +18,10 @@ Guarantees of every built-in format (``hermes``, ``json``, ``qwen3_coder``, ``ll
   replaced by U+FFFD, so it can neither break a tokenizer nor a server connection.
 
 A format is a ``ToolCallFormat``: its ``parse(text, tools)`` (``tools``: the OpenAI function
-specs the model was shown, used by XML formats to give arguments their schema types), the
-``stop_strings`` an engine may stop at, whether it needs the text decoded *with* special
+specs the model was shown, used by XML formats to give arguments their schema types; every call
+of the text, in order), whether a turn may hold several calls (``parallel``; harmony: one call
+per message), the ``stop_strings`` an engine stops at after one call when parallel tool calls
+are off (``turn_stop_strings``), whether it needs the text decoded *with* special
 tokens (``[TOOL_CALLS]``, harmony's ``<|channel|>``... are special tokens), and the
 ``markers`` that identify it in a chat template. ``tool_formats.choose_format(tokenizer, "auto")``
 picks:
