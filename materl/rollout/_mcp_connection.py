@@ -38,7 +38,6 @@ class Answer(NamedTuple):
     text: str
     kind: str | None = None  # None, "tool", "timeout", "protocol" (see the module docstring)
     died: bool = False  # the connection died under the call
-    crowded: bool = False  # it died with other calls in flight on the instance (any could be the cause)
     attempts: int = 1
     server_s: float = 0.0  # time spent on a live server (its attempts), not waiting for one
 
@@ -65,7 +64,6 @@ class _Instance:
         self.dead = anyio.Event()
         self.death_reason = ""
         self.in_flight = 0
-        self.in_flight_at_death = 0
         self.answered = 0  # calls that got an answer (of any kind) from this instance
         self.consecutive_timeouts = 0
         self.garbage = 0  # unparseable messages the server sent
@@ -162,7 +160,6 @@ class _Instance:
         if self.dead.is_set():
             return
         self.death_reason = reason
-        self.in_flight_at_death = self.in_flight  # >1: more than one call could have caused it
         self.dead.set()
         if self._on_death is not None and self._client is not None:
             self._on_death(self)

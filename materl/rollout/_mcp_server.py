@@ -14,21 +14,21 @@ Recovery rules (``_Supervised.call``):
    wait for a free slot and for a (re)starting server is not counted (the latter is bounded by
    ``start_timeout_s``).
 2. When the server dies under a call (the process exits, the pipe or HTTP transport fails, or
-   it is killed by rule 3), a call in flight on it is retried on the new instance with the
+   it is killed by rule 3), a call in flight on it is retried once on the new instance with the
    rest of its time when running it again is safe (``may_retry``): with
    ``retry_on_crash="idempotent"`` (the default) when its tool declares itself read-only or
    idempotent (MCP tool annotations ``readOnlyHint`` / ``idempotentHint``), with ``True``
    always, with ``False`` never; never with ``restart=False``. A call that is not retried
-   fails with kind ``"crash"``, saying why. Retries run one at a time (beside new calls), so
-   the call that caused the crash usually crashes its retry alone. A call whose retry died
-   alone on its instance is the cause and fails after two attempts; one whose retry died with
-   other calls in flight (a new neighbour may have crashed it) is retried once more: at most
-   ``MAX_ATTEMPTS`` (3) attempts, so a call that was merely in flight when neighbours crashed
-   the server twice still gets its answer, and a crashing call costs at most three restarts.
-   (Whether the server had started a call when it died cannot be known from outside: a request
-   written to a pipe may or may not have been read. Only the tool can say that running it twice
-   is harmless, which is what MCP's annotations are for; ``isolation="episode"`` confines
-   crashes to one episode.)
+   fails with kind ``"crash"``, saying why. Whether the server had started a call when it died
+   cannot be known from outside (a request written to a pipe may or may not have been read),
+   so only the tool can say that running it twice is harmless, which is what MCP's annotations
+   are for. Retries run one at a time (beside new calls), so the call that caused the crash
+   crashes its retry alone: it fails with kind ``"crash"`` after at most two restarts. (Two
+   different calls that each crash the server while both are in flight can still fail a third
+   call whose retry overlaps the second crash; ``isolation="episode"`` confines crashes to one
+   episode. Running retries alone, or a third attempt for a retry that died beside other calls,
+   were tried: on a shared server that 10% of calls crash they serialise it past 4x the
+   critical path, benchmarks/RESULTS.md ``## crash_retries``.)
 3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
    kind in between) kill it; it is replaced like a crashed one (a server that hangs without
    closing its pipe is restarted instead of failing every later call).
@@ -63,7 +63,6 @@ from materl.rollout._mcp_connection import Answer, _Instance
 from materl.rollout.mcp_spec import RECONNECT_S, MCPServer
 
 log = logging.getLogger("materl.rollout.mcp")
-MAX_ATTEMPTS = 3  # a retry-safe call's attempts when its retries die with other calls in flight (rule 2)
 
 
 def retry_safe(tool: Any) -> bool:
@@ -217,12 +216,13 @@ class _Supervised:
     async def call(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
         async with self.slots:
             answer, budget = await self._attempt(tool, args, timeout_s, 1)
-            while (answer.died and budget > 0 and self.may_retry(tool) and self.policy.restart and not self.closing
-                   and (answer.attempts == 1 or answer.crowded and answer.attempts < MAX_ATTEMPTS)):
-                self.stats["retries"] += 1
-                answer, budget = await self._retry(tool, args, budget, answer.attempts + 1)
             if not answer.died:
                 return answer._replace(server_s=timeout_s - budget)
+            if budget > 0 and self.may_retry(tool) and self.policy.restart and not self.closing:
+                self.stats["retries"] += 1
+                answer, budget = await self._retry(tool, args, budget)
+                if not answer.died:
+                    return answer._replace(server_s=timeout_s - budget)
             used = timeout_s - budget
             if budget <= 0:  # its time ran out as the server died (e.g. killed after timeouts)
                 return Answer(f"tool {tool!r} timed out after {timeout_s:g} s (its server {self.name!r} died "
@@ -230,14 +230,14 @@ class _Supervised:
             return Answer(self._crashed(tool, answer.text, answer.attempts), "crash", attempts=answer.attempts,
                           server_s=used)
 
-    async def _retry(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
+    async def _retry(self, tool: str, args: dict[str, Any], budget: float) -> tuple[Answer, float]:
         """Rule 2: retried calls are sent one at a time. Waiting for the server to be back is not
         serialised: calls in flight when an HTTP server went away each wait at most
         ``reconnect_s`` side by side, not one after another."""
         if await self._live() is None:
-            return Answer(self._unavailable(tool), "unavailable", attempts=attempt), budget
+            return Answer(self._unavailable(tool), "unavailable", attempts=2), budget
         async with self._suspects:
-            return await self._attempt(tool, args, budget, attempt)
+            return await self._attempt(tool, args, budget, 2)
 
     async def _attempt(self, tool: str, args: dict[str, Any], budget: float, attempt: int) -> tuple[Answer, float]:
         """One send on the live instance; returns the answer and the time left of the budget."""
@@ -247,8 +247,6 @@ class _Supervised:
         started = time.monotonic()
         answer = await inst.request(tool, args, budget)
         budget -= time.monotonic() - started
-        if answer.died:
-            answer = answer._replace(crowded=inst.in_flight_at_death > 1)
         if answer.kind == "timeout":
             self.stats["timeouts"] += 1
             self._after_timeout(inst)
@@ -258,7 +256,7 @@ class _Supervised:
 
     def _crashed(self, tool: str, reason: str, attempts: int) -> str:
         if attempts > 1:
-            why = f"it died again on the retry after a restart ({attempts} attempts)"
+            why = "it died again on the retry after a restart"
         elif not self.policy.restart:
             why = "restart=False, so it stays down"
         elif self.policy.retry_on_crash is False:

@@ -29,11 +29,10 @@ Guarantees:
   slot (``max_concurrency`` per server) or a restarting server is not counted.
 - Recovery (``materl.rollout._mcp_server``): a server that dies is restarted (at once when it
   died under calls; with exponential backoff while it keeps dying on its own) and the calls
-  that were in flight on it are retried, one at a time, when that cannot run a side effect
-  twice: ``retry_on_crash="idempotent"`` (the default) retries the calls of tools that declare
-  themselves read-only or idempotent (MCP annotations ``readOnlyHint`` / ``idempotentHint``),
-  ``True`` every call, ``False`` none (a retry that died with other calls in flight is retried
-  once more, at most three attempts); ``restart_after_timeouts`` calls in
+  that were in flight on it are retried once, one at a time, when that cannot run a side
+  effect twice: ``retry_on_crash="idempotent"`` (the default) retries the calls of tools that
+  declare themselves read-only or idempotent (MCP annotations ``readOnlyHint`` /
+  ``idempotentHint``), ``True`` every call, ``False`` none; ``restart_after_timeouts`` calls in
   a row that time out restart it too. An HTTP server is never given up on: it is reconnected with backoff for as
   long as the run lasts, each call waiting at most ``MCPServer(reconnect_s=)`` for it.
 - Start: every tool's input schema is checked as a JSON Schema (``ToolError`` naming server
