@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set train.steps=3 (repeatable)")
     _placement_flags(t)
     _early_stopping_flags(t)
+    t.add_argument("--step-credit", dest="overrides", action=_AsOverride, key="compile.step_credit",
+                   choices=["process", "sum"],
+                   help="how step rewards are credited under grpo/dr_grpo where the recipe does not say "
+                        "(= --set compile.step_credit=...; default: process)")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
@@ -96,9 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders runs wrote (each with metrics.jsonl)")
     c.add_argument("--metrics", default=None, metavar="NAMES",
                    help="comma-separated metric names or shell patterns (reward/*/mean) for the table and the "
-                        "plot (default: every common metric in the table; reward, reward terms, loss, "
-                        "eval/accuracy, eval/reward, tool_success in the plot)")
+                        "plot, or 'all' (default: a short set in the table: reward and its terms, "
+                        "masked_episodes, loss, kl, tool_calls, tool_success, first/last-turn advantages, "
+                        "eval; reward, reward terms, loss, eval/accuracy, eval/reward, tool_success in the plot)")
     c.add_argument("--out", default="compare.png", help="where the plot is written (default: compare.png)")
+    c.add_argument("--columns", default="final,best", metavar="COLUMNS",
+                   help="comma-separated columns per run: final, best, first, mean (default: final,best)")
     c.set_defaults(func=cmd_compare)
 
     b = sub.add_parser("bench", help="run benchmarks")
@@ -148,7 +155,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     from materl.runtime.train import train_from_config
 
-    _print_metrics(train_from_config(cfg))
+    result = train_from_config(cfg)
+    # every step's metrics are in run_dir/metrics.jsonl; the summary is the rest
+    _print_metrics({k: v for k, v in result.items() if k != "history"})
     return 0
 
 
@@ -212,7 +221,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from materl.runtime.compare import compare
 
     metrics = [m.strip() for m in args.metrics.split(",") if m.strip()] if args.metrics is not None else None
-    table, plot = compare(args.run_dirs, metrics=metrics, out=args.out)
+    columns = [c.strip() for c in args.columns.split(",") if c.strip()]
+    table, plot = compare(args.run_dirs, metrics=metrics, out=args.out, columns=columns)
     print(table)
     print(f"plot: {plot}" if plot is not None else "plot: none (no metric to draw; choose some with --metrics)")
     return 0

@@ -68,6 +68,23 @@ class KernelError(MaterlError, RuntimeError):
     """A Mojo kernel is missing or failed to build."""
 
 
+class OpOutputError(MaterlError, TypeError):
+    """A value a custom op returned is not what the node that reads it takes (a string where a
+    reward is due, a row of the wrong length...). ``node`` is the op's node: it is blamed, not the
+    node that read the value."""
+
+    def __init__(self, message: str, *, node: str):
+        super().__init__(message)
+        self.node = node
+
+    def __reduce__(self):  # picklable across processes (Ray workers) with its node
+        return (_op_output_error, (str(self), self.node))
+
+
+def _op_output_error(message: str, node: str) -> OpOutputError:
+    return OpOutputError(message, node=node)
+
+
 class EpisodeError(MaterlError, RuntimeError):
     """An episode failed; the scheduler records it and leaves it out of the update."""
 

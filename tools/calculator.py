@@ -18,6 +18,7 @@ import operator
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
 
 try:  # run as ``python tools/calculator.py`` from a checkout as well as ``-m materl.tools...``
     from materl.tools._serve import main as _serve_main
@@ -127,7 +128,7 @@ def format_result(value: int | float) -> str:
 app = MCPServer("calculator", instructions="Exact arithmetic on numbers.", log_level="WARNING")
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False))
 def calculate(expression: str) -> str:
     """Evaluate an arithmetic expression exactly and return the result.
 

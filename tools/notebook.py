@@ -19,6 +19,7 @@ from collections import OrderedDict
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ToolAnnotations
 
 try:
     from materl.tools._serve import main as _serve_main
@@ -45,7 +46,7 @@ def _book(episode_id: str) -> dict[str, str]:
     return book
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(idempotent_hint=True, destructive_hint=True, open_world_hint=False))
 def write(key: str, value: str, episode_id: str) -> str:
     """Save a value under a key in your notebook (overwrites an existing key)."""
     if not key or len(key) > MAX_KEY_CHARS:
@@ -59,7 +60,7 @@ def write(key: str, value: str, episode_id: str) -> str:
     return f"saved {key!r} ({len(value)} characters)"
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
 def read(key: str, episode_id: str) -> str:
     """Read the value saved under a key in your notebook."""
     book = _book(episode_id)
@@ -69,7 +70,7 @@ def read(key: str, episode_id: str) -> str:
     return book[key]
 
 
-@app.tool()
+@app.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
 def list_keys(episode_id: str) -> list[str]:
     """List the keys saved in your notebook, sorted."""
     return sorted(_book(episode_id))

@@ -28,7 +28,7 @@ from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
-from materl.compiler.metrics import rollout_metrics
+from materl.compiler.metrics import advantage_turn_metrics, rollout_metrics
 from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_state  # noqa: F401 (re-exported)
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
@@ -188,6 +188,7 @@ class Compiled:
         t0 = time.perf_counter()
         await learner.prepare()
         self.timings["stage/prepare"] = time.perf_counter() - t0
+        metrics.update(advantage_turn_metrics(self.plan, ok, self.episode_rollout))  # batch advantages exist now
         metrics.update(await compute.acall(learner.run_updates))
         self.timings.update(learner.timings)
         self.step_count += 1

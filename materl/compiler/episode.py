@@ -47,6 +47,7 @@ class Episode:
     filtered: bool = False  # left out by a group filter (dynamic sampling)
     infra: str | None = None  # the first tool failure that was not the model's (failures.INFRA_ERROR_KINDS)
     excluded: str | None = None  # why it is left out of baselines and the update (infra_failures="mask")
+    infra_raised: bool = False  # ``infra`` came from an outage the agent's own tool client raised
 
     @property
     def ok(self) -> bool:

@@ -16,7 +16,9 @@ per compiled step (not every step) and every step's metrics count failures per k
 Infrastructure failures (compile option ``infra_failures``). A tool call that failed for a reason
 that is not the model's (``INFRA_ERROR_KINDS``: timeout, crash, protocol, unavailable; not
 ``invalid_call``, the model's own malformed call, nor ``tool``, the tool's own error result)
-marks its episode (``Episode.infra``). With ``"mask"`` (the default) such an episode is left out
+marks its episode (``Episode.infra``), and so does an outage that an agent's own tool client
+raised (``outage_kind``: its MCP server refused the connection, died or timed out; the MCP SDK
+raises these inside exception groups). With ``"mask"`` (the default) such an episode is left out
 of its group's baseline and of the update, and the rest of its group is normalised without it; a
 group that infrastructure failures leave with fewer than two episodes is dropped whole (one
 episode has no baseline to compare with). ``"keep"`` trains on them as real rewards. Either way
@@ -47,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from materl.errors import StepFailedError
+from materl.errors import OpOutputError, StepFailedError
 from materl.rollout.episode import EpisodeState, StepResult
 from materl.rollout.types import Rollout, ToolResult
 
@@ -65,6 +67,16 @@ class Failure:
 
     @classmethod
     def of(cls, node: str, exc: BaseException) -> Failure:
+        """The failure of ``exc`` raised while running ``node``: an ``OpOutputError`` is the failure
+        of the op it names; an exception group (anyio/asyncio TaskGroups raise them) is named by
+        the errors inside it, not as "unhandled errors in a TaskGroup"."""
+        node = exc.node if isinstance(exc, OpOutputError) else node  # the op that returned the value
+        leaves = leaf_errors(exc)
+        if leaves and (len(leaves) > 1 or leaves[0] is not exc):
+            kind = "/".join(dict.fromkeys(type(e).__name__ for e in leaves))
+            message = "; ".join(f"{type(e).__name__}: {e}" for e in leaves[:3]) + (
+                f" (and {len(leaves) - 3} more)" if len(leaves) > 3 else "")
+            return cls(node, kind, f"{message} (inside {type(exc).__name__})", traceback.format_exc(limit=4))
         return cls(node, type(exc).__name__, str(exc), traceback.format_exc(limit=4))
 
     @property
@@ -168,8 +180,89 @@ def tool_results(episode: Any) -> list[ToolResult]:
     return list(seen.values())
 
 
+def leaf_errors(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside ``exc``, exception groups (nested ones too) flattened; ``[exc]`` for
+    any other exception."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in leaf_errors(sub)]
+    return [exc]
+
+
+def outage_kind(exc: BaseException) -> str | None:
+    """The ``INFRA_ERROR_KINDS`` kind of an error that an agent's own tool client raised because
+    its tool server could not be reached or went away, else None (the agent's own error).
+
+    Agent code that talks to MCP servers itself (the MCP SDK's client, an agent framework's MCP
+    support) sees an outage as an exception, usually inside an exception group from the SDK's
+    task groups: refused or failed connections (``"unavailable"``), a transport that broke under
+    a request or an MCP session closed by its server (``"crash"``), and MCP's request timeout
+    (``"timeout"``). Every error in the group must be one of those; a chain (``raise ... from``)
+    is followed, except through the OpenAI client's errors (the endpoint materl serves is not a
+    tool server)."""
+    kinds = [_outage_leaf(e) for e in leaf_errors(exc)]
+    return kinds[0] if kinds and all(kinds) else None
+
+
+# httpx-family errors (httpx, httpx2 that the MCP SDK uses, their httpcore) by class name
+_HTTP_MODULES = ("httpx", "httpx2", "httpcore", "httpcore2")
+_HTTP_OUTAGES = {"ConnectError": "unavailable", "ConnectTimeout": "unavailable", "RemoteProtocolError": "crash",
+                 "ReadError": "crash", "WriteError": "crash"}
+
+
+def _outage_leaf(exc: BaseException, depth: int = 0) -> str | None:
+    import anyio
+
+    if type(exc).__module__.startswith("openai") or depth > 8:
+        return None
+    if type(exc).__module__.split(".")[0] in _HTTP_MODULES:
+        kind = next((_HTTP_OUTAGES[c.__name__] for c in type(exc).__mro__ if c.__name__ in _HTTP_OUTAGES), None)
+        if kind is not None:
+            return kind
+    if isinstance(exc, ConnectionRefusedError):
+        return "unavailable"
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                        anyio.EndOfStream)):
+        return "crash"
+    code = _mcp_error_code(exc)
+    if code is not None:
+        return code
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        return outage_kind(cause)
+    return _outage_leaf(cause, depth + 1) if cause is not None else None
+
+
+def _mcp_error_code(exc: BaseException) -> str | None:
+    """An MCP SDK error for a closed connection ("crash") or a request timeout ("timeout")."""
+    try:
+        from mcp.shared import exceptions
+        from mcp.types import CONNECTION_CLOSED, REQUEST_TIMEOUT
+    except ImportError:  # pragma: no cover - mcp is a dependency
+        return None
+    types = tuple(t for t in (getattr(exceptions, "MCPError", None), getattr(exceptions, "McpError", None)) if t)
+    if not isinstance(exc, types):
+        return None
+    code = getattr(exc, "code", None)
+    code = getattr(getattr(exc, "error", None), "code", None) if code is None else code
+    if code == CONNECTION_CLOSED and "connection closed" in str(exc).lower():  # servers may reuse -32000
+        return "crash"
+    return "timeout" if code == REQUEST_TIMEOUT else None
+
+
+def mark_outage(episode: Any, kind: str, exc: BaseException, policy: str) -> None:
+    """An episode whose own tool client raised ``exc`` for an outage (``outage_kind``): marked as
+    an infrastructure failure of ``kind`` and, with ``"mask"``, left out like an outage through a
+    Toolbox; with ``"keep"`` it fails (there is no rollout to train on)."""
+    episode.infra, episode.infra_raised = kind, True
+    if policy == "mask":
+        leaves = "; ".join(f"{type(e).__name__}: {e}" for e in leaf_errors(exc)[:2])
+        episode.excluded = f"tool infrastructure failure ({kind}) raised by the agent's own tool client: {leaves}"
+
+
 def mark_infra_failure(episode: Any, policy: str) -> None:
     """Set ``episode.infra`` to its first infrastructure failure's kind; with ``"mask"``, leave it out."""
+    if getattr(episode, "infra_raised", False):
+        return  # already marked by mark_outage
     kinds = [r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS]
     episode.infra = kinds[0] if kinds else None
     if episode.infra is not None and policy == "mask" and episode.error is None:
@@ -192,9 +285,11 @@ def infra_metrics(episodes: Sequence[Any]) -> dict[str, float]:
     ``infra_failures/groups_dropped``."""
     out: dict[str, float] = {}
     for e in episodes:
-        for r in tool_results(e):
-            if r.error_kind in INFRA_ERROR_KINDS:
-                out[f"infra_failures/{r.error_kind}"] = out.get(f"infra_failures/{r.error_kind}", 0.0) + 1.0
+        kinds = [r.error_kind for r in tool_results(e) if r.error_kind in INFRA_ERROR_KINDS]
+        if getattr(e, "infra_raised", False):  # an agent's own tool client raised it (mark_outage)
+            kinds.append(e.infra)
+        for kind in kinds:
+            out[f"infra_failures/{kind}"] = out.get(f"infra_failures/{kind}", 0.0) + 1.0
     masked = [e for e in episodes if e.excluded is not None]
     if out or masked:
         out["infra_failures/episodes_masked"] = float(len(masked))

@@ -1,7 +1,11 @@
 """What a step reports about its rollouts: episode counts, reward means and spreads per reward
 node and per reward term (and per-episode ``agent/`` and ``judge/`` figures), trained tokens,
-tool calls and their success (0 and 0 on a tool recipe's step without a call) and per-node
-times."""
+tool calls and their success (0 and 0 on a tool recipe's step without a call), per-turn
+advantage statistics (``advantage_turn_metrics``) and per-node times.
+
+``reward`` (and every ``reward/...``) is over the episodes that count: an episode masked out by a
+tool outage (compile option ``infra_failures="mask"``) got whatever reward its broken tools
+left it and is not trained on, so it is left out and counted as ``masked_episodes``."""
 
 from __future__ import annotations
 
@@ -18,17 +22,15 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     """Metrics of a rollout batch; ``rollout_of(episode)``: its Rollout or None, ``timings``: the
     step's stage times (``stage/rollout`` is reported as ``time/rollout``)."""
     ok = [e for e in episodes if e.error is None]
+    masked = [e for e in ok if outage_masked(e)]
     m: dict[str, float] = {
         "episodes": float(len(episodes)), "failed_episodes": float(len(episodes) - len(ok)),
-        "filtered_episodes": float(sum(e.filtered for e in ok)),
+        "filtered_episodes": float(sum(e.filtered for e in ok)), "masked_episodes": float(len(masked)),
     }
-    m |= _rewards(plan, ok)
+    m |= _rewards(plan, [e for e in ok if not outage_masked(e)])
     rollouts = [r for r in (rollout_of(e) for e in ok) if r is not None]
     m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
-    results = [x for r in rollouts for x in r.tool_results]
-    if results or plan.calls_tools():  # every step of a tool recipe has both: 0 and 0 without a call
-        m["tool_calls"] = len(results) / max(1, len(rollouts))
-        m["tool_success"] = sum(not x.is_error for x in results) / len(results) if results else 0.0
+    m |= tool_call_metrics(rollouts, uses_tools=uses_tools(plan))
     for e in episodes:
         for k, v in e.timings.items():
             m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))
@@ -51,3 +53,61 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
         vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
         m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
     return m
+
+
+def outage_masked(ep: Episode) -> bool:
+    """Left out of the update because of a tool infrastructure failure of its own."""
+    return ep.infra is not None and ep.excluded is not None
+
+
+def uses_tools(plan) -> bool:
+    """Whether the recipe's episodes may call tools: a ``call_tools`` node, a ``generate_step``
+    shown tools, or an agent (its own code runs the calls it gets)."""
+    nodes = [plan.nodes[n] for n in plan.episode]
+    return plan.calls_tools() or any(n.op == "agent_episodes" or (n.op == "generate_step" and n.params.get("tools"))
+                                     for n in nodes)
+
+
+def tool_call_metrics(rollouts: list, *, uses_tools: bool) -> dict[str, float]:
+    """``tool_calls``: the calls the model wrote (malformed ones too) per episode; ``tool_success``:
+    the fraction of them that got an answer that is not an error (a call left unanswered, as an
+    agent's last turn may be, did not succeed). On a recipe that uses tools both are reported on
+    every step (0 and 0 without a call)."""
+    calls = sum(len(r.tool_calls) for r in rollouts)
+    answered = sum(min(len(r.tool_calls), sum(not x.is_error for x in r.tool_results)) for r in rollouts)
+    if not (calls or uses_tools):
+        return {}
+    return {"tool_calls": calls / max(1, len(rollouts)), "tool_success": answered / calls if calls else 0.0}
+
+
+def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode], object], *,
+                           max_turns: int = 8) -> dict[str, float]:
+    """How the advantages fall on the model's turns: for turn k (1-based, up to ``max_turns``),
+    and for each episode's first and last turn, the mean over episodes of that turn's mean
+    per-token advantage (``advantages/turn_k/mean``, ``/std``; ``advantages/first_turn/...``,
+    ``advantages/last_turn/...``). Reads the first node whose output is ``advantages``; nothing for
+    a recipe without one or with per-episode (not per-token) values."""
+    name = next((n for n in plan.order if output_of(plan.nodes[n]).name == "advantages"), None)
+    per_turn: dict[str, list[float]] = {}
+    for ep in episodes:
+        rollout = rollout_of(ep)
+        if name is None or rollout is None or name not in ep.values:
+            continue
+        adv = torch.as_tensor(ep.resolve(name), dtype=torch.float64).flatten()
+        means, pos = [], 0
+        for step in rollout.steps:
+            n = len(step.token_ids)
+            if step.trainable and n and pos + n <= adv.numel():
+                means.append(float(adv[pos:pos + n].mean()))
+            pos += n
+        if adv.numel() == 1 or not means:
+            continue
+        for k, v in enumerate(means[:max_turns], start=1):
+            per_turn.setdefault(f"turn_{k}", []).append(v)
+        per_turn.setdefault("first_turn", []).append(means[0])
+        per_turn.setdefault("last_turn", []).append(means[-1])
+    out: dict[str, float] = {}
+    for key, vals in per_turn.items():
+        t = torch.tensor(vals, dtype=torch.float64)
+        out[f"advantages/{key}/mean"], out[f"advantages/{key}/std"] = float(t.mean()), float(t.std(unbiased=False))
+    return out

@@ -65,6 +65,10 @@ class CompileOptions(BaseModel):
     logprob_chunk_size: int = Field(1024, ge=1, description="rows of the (tokens x vocab) matrix held at once")
     share_prompts: bool = Field(True, description="rows with the same prompt run it once in the learner")
     advantage: str | None = Field(None, description="default estimator; else the recipe's, else grpo")
+    step_credit: Literal["process", "sum"] | None = Field(
+        None, description="how step rewards are credited under a GRPO-family estimator where the recipe's "
+        "ml.advantages does not say (step_credit=): 'process' (DeepSeekMath process supervision) or 'sum' "
+        "(verl's summed reward); null: process")
     reference: str = Field("frozen", description="reference-model policy")
     reference_options: tuple[tuple[str, Any], ...] = ()
     seed: int = 0

@@ -24,6 +24,7 @@ from materl.errors import CompileError
 from materl.graph.lint import topo_order
 from materl.graph.node import Node, Recipe, ref_node
 from materl.ops.reference import REFERENCE_POLICIES
+from materl.ops.step_credit import GRPO_FAMILY
 
 STAGES = ("episode", "group", "prepare", "update")
 
@@ -159,10 +160,21 @@ def _resolve_defaults(recipe: Recipe, options: CompileOptions) -> dict[str, Node
         spec = spec_of(n)
         if spec.kind == "advantages" and n.params.get("estimator") is None:
             n = n.replace(params={**n.params, "estimator": default_adv})
+        if spec.kind == "advantages" and options.step_credit is not None and n.params.get("step_credit") is None:
+            n = _with_step_credit(n, options.step_credit)
         if not uses_reference and spec.without_reference is not None:
             n = spec.without_reference(n)
         nodes[n.name] = n
     return nodes
+
+
+def _with_step_credit(node: Node, credit: str) -> Node:
+    """The compile option ``step_credit`` on an advantages node that does not set its own."""
+    if node.params["estimator"] not in GRPO_FAMILY:
+        raise CompileError(f"compile option step_credit={credit!r} applies to the GRPO family "
+                           f"({', '.join(GRPO_FAMILY)}); node {node.name!r} uses estimator "
+                           f"{node.params['estimator']!r}, which sums step rewards like verl (leave step_credit unset)")
+    return node.replace(params={**node.params, "step_credit": credit})
 
 
 def _needed(recipe: Recipe, nodes: dict[str, Node]) -> set[str]:

@@ -24,10 +24,12 @@ import anyio
 import anyio.lowlevel
 
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode, make_episodes, split
-from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure
+from materl.compiler.episode import Episode, make_episodes, split, to_tensor
+from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
 from materl.compiler.spec import spec_of
-from materl.errors import StepTimeoutError
+from materl.errors import OpOutputError, StepTimeoutError
+from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.types import Rollout
 
 SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
 
@@ -42,13 +44,55 @@ async def settle(count: Callable[[], int]) -> None:
 
 
 async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
-    """Run group/batch node ``name`` over ``eps``; one validated value per episode."""
+    """Run group/batch node ``name`` over ``eps``; one validated value per episode. When a
+    built-in node fails on a value a custom op returned, the op is blamed (``blame_op_output``)."""
     node = run.plan.nodes[name]
-    inputs = [[ep.resolve(ref) for ep in eps] for ref in node.inputs if not ref.startswith("@")]
-    out = run.plan.impl(name).batch(run, node, eps, inputs)
-    if inspect.isawaitable(out):
-        out = await out
+    refs = [ref for ref in node.inputs if not ref.startswith("@")]
+    inputs = [[ep.resolve(ref) for ep in eps] for ref in refs]
+    try:
+        out = run.plan.impl(name).batch(run, node, eps, inputs)
+        if inspect.isawaitable(out):
+            out = await out
+    except (TypeError, ValueError, AttributeError) as exc:
+        blame_op_output(run.plan, node, refs, inputs, exc, episodes=[ep.index for ep in eps])
+        raise
     return split(out, len(eps), what=f"op {_label(node)} (node {name!r})")
+
+
+def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseException, *,
+                    episodes: list[int]) -> None:
+    """Raise ``OpOutputError`` naming the custom op (``@ml.op``) whose value made built-in node
+    ``node`` fail with ``exc``: the first input from a custom op holding a value that is neither a
+    rollout nor numbers (a number, or a row of them). Returns when there is none (the node's own
+    error stands); a custom op reading another one's value decides itself what it takes."""
+    if node.op == "call":
+        return
+    for ref, values in zip(refs, inputs):
+        producer = plan.nodes.get(ref.split(".")[0])
+        if producer is None or producer.op != "call":
+            continue
+        for index, value in zip(episodes, values):
+            why = _not_numbers_or_rollout(value)
+            if why is not None:
+                raise OpOutputError(
+                    f"op {_label(producer)} (node {producer.name!r}) returned {why} for episode {index}, which node "
+                    f"{node.name!r} ({node.op}) reads as {ref!r}; it takes a number per episode, a row of numbers per "
+                    f"token, or a rollout (it failed with {type(exc).__name__}: {str(exc)[:200]})",
+                    node=producer.name) from exc
+
+
+def _not_numbers_or_rollout(value: Any) -> str | None:
+    """None for a rollout, a number or a flat row of numbers; else a description of ``value``."""
+    if isinstance(value, (Rollout, StepResult, EpisodeState)):
+        return None
+    try:
+        t = to_tensor([value])
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is not None and t.dim() <= 2:
+        return None
+    shown = repr(value)
+    return f"{shown[:80]}{'...' if len(shown) > 80 else ''} ({type(value).__name__})"
 
 
 def _label(node) -> str:
@@ -117,7 +161,11 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
         ep.error = Failure(name, StepTimeoutError.__name__,
                            f"episode exceeded episode_timeout_s={run.options.episode_timeout_s}")
     except Exception as e:  # recorded on the episode, never raised out of the step
-        ep.error = Failure.of(name, e)
+        kind = outage_kind(e)
+        if kind is not None:  # the agent's own tool client hit an outage: like one through a Toolbox
+            mark_outage(ep, kind, e, run.options.infra_failures)
+        if kind is None or run.options.infra_failures != "mask":
+            ep.error = Failure.of(name, e)
     finally:
         with anyio.CancelScope(shield=True):
             for toolbox in run.toolboxes:  # per-episode tool state ends with the episode

@@ -60,18 +60,25 @@ def generate(agent, prompts, *, name: str | None = None, max_new_tokens: int | N
 
 def generate_step(agent, history, tool_responses=None, *, name: str | None = None, tools=None,
                   parser: str = "auto", max_new_tokens: int | None = None,
-                  temperature: float | None = None, system: str | None = None) -> Value:
+                  temperature: float | None = None, system: str | None = None,
+                  parallel_tool_calls: bool = True) -> Value:
     """Continue an episode: append ``tool_responses`` to ``history`` (the prompts for the first
-    turn, else a previous step's ``.history``) and generate until end of turn or a complete tool
-    call. ``parser``: the tool-call format (``"auto"``: the one the model's chat template declares;
-    see ``materl.rollout.parsers``). The result has ``.tool_requests``, ``.history``, ``.text``,
-    ``.token_ids``, ``.logprobs``."""
+    turn, else a previous step's ``.history``) and generate until end of turn (with
+    ``parallel_tool_calls=False``: or the end of the first tool call; see
+    ``materl.rollout.episode.model_turn``). ``parser``: the tool-call format (``"auto"``: the one
+    the model's chat template declares; see ``materl.rollout.parsers``). The result has
+    ``.tool_requests`` (every call of the turn, in order), ``.history``, ``.text``, ``.token_ids``,
+    ``.logprobs``."""
+    if not isinstance(parallel_tool_calls, bool):
+        raise RecipeError(f"ml.generate_step: parallel_tool_calls must be True or False, got {parallel_tool_calls!r}")
     _check_tools(tools, "ml.generate_step", schemas_ok=True)
     b = active_builder("ml.generate_step")
     a = b.agent(agent, "ml.generate_step")
     inputs = [a, history] + ([tool_responses] if tool_responses is not None else [])
     params = _given(tools=tools, max_new_tokens=max_new_tokens, temperature=temperature, system=system)
     params["parser"] = parser
+    if not parallel_tool_calls:
+        params["parallel_tool_calls"] = False
     return b.add("generate_step", inputs, params, scope="episode", name=name, default_name="step",
                  fixed_scope=True)
 

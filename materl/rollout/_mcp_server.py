@@ -14,13 +14,21 @@ Recovery rules (``_Supervised.call``):
    wait for a free slot and for a (re)starting server is not counted (the latter is bounded by
    ``start_timeout_s``).
 2. When the server dies under a call (the process exits, the pipe or HTTP transport fails, or
-   it is killed by rule 3), every call in flight on it is retried once on the new instance with
-   the rest of its time, unless ``retry_on_crash=False`` (non-idempotent tools) or
-   ``restart=False``. Retries run one at a time (beside new calls), so the call that caused
-   the crash crashes its retry alone: it fails with kind ``"crash"`` after at most two
-   restarts, and a crash caused by one call never fails another. (Two different calls that
-   each crash the server while both are in flight can still fail a third call whose retry
-   overlaps the second crash; ``isolation="episode"`` confines crashes to one episode.)
+   it is killed by rule 3), a call in flight on it is retried once on the new instance with the
+   rest of its time when running it again is safe (``may_retry``): with
+   ``retry_on_crash="idempotent"`` (the default) when its tool declares itself read-only or
+   idempotent (MCP tool annotations ``readOnlyHint`` / ``idempotentHint``), with ``True``
+   always, with ``False`` never; never with ``restart=False``. A call that is not retried
+   fails with kind ``"crash"``, saying why. Whether the server had started a call when it died
+   cannot be known from outside (a request written to a pipe may or may not have been read),
+   so only the tool can say that running it twice is harmless, which is what MCP's annotations
+   are for. Retries run one at a time (beside new calls), so the call that caused the crash
+   crashes its retry alone: it fails with kind ``"crash"`` after at most two restarts. (Two
+   different calls that each crash the server while both are in flight can still fail a third
+   call whose retry overlaps the second crash; ``isolation="episode"`` confines crashes to one
+   episode. Running retries alone, or a third attempt for a retry that died beside other calls,
+   were tried: on a shared server that 10% of calls crash they serialise it past 4x the
+   critical path, benchmarks/RESULTS.md ``## crash_retries``.)
 3. ``restart_after_timeouts`` calls in a row that time out on one instance (no answer of any
    kind in between) kill it; it is replaced like a crashed one (a server that hangs without
    closing its pipe is restarted instead of failing every later call).
@@ -57,6 +65,17 @@ from materl.rollout.mcp_spec import RECONNECT_S, MCPServer
 log = logging.getLogger("materl.rollout.mcp")
 
 
+def retry_safe(tool: Any) -> bool:
+    """Whether an MCP tool declares that running it again is harmless: annotations
+    ``readOnlyHint`` or ``idempotentHint`` true (both default to false in MCP)."""
+    notes = getattr(tool, "annotations", None)
+    if notes is None:
+        return False
+    hints = (getattr(notes, name, None) for name in ("read_only_hint", "readOnlyHint", "idempotent_hint",
+                                                      "idempotentHint"))
+    return any(h is True for h in hints)
+
+
 @dataclass(frozen=True)
 class ServerPolicy:
     """The resolved settings of one server (``MCPServer`` fields over ``mcp_tools`` defaults)."""
@@ -64,7 +83,7 @@ class ServerPolicy:
     timeout_s: float | None  # None: the caller's default (the compiled step's tool_timeout_s)
     max_concurrency: int
     restart: bool
-    retry_on_crash: bool
+    retry_on_crash: bool | str  # True, False or "idempotent" (mcp_spec.RETRY_ON_CRASH)
     restart_after_timeouts: int  # 0: never restart for timeouts
     isolation: str  # "shared" | "episode"
     pool_size: int  # instances kept started and unused (a shared server's ready replacement, or new episodes')
@@ -171,11 +190,13 @@ class _Pool:
 class _Supervised:
     """One logical server handle; see the recovery rules in the module docstring."""
 
-    def __init__(self, pool: _Pool, name: str, stats: Counter, first: _Instance | None = None):
+    def __init__(self, pool: _Pool, name: str, stats: Counter, first: _Instance | None = None, *,
+                 retry_safe_tools: frozenset[str] = frozenset()):
         self.pool, self.name, self.stats = pool, name, stats
         self.policy = pool.policy
+        self.retry_safe_tools = retry_safe_tools  # tools that declare running again harmless
         self.slots = anyio.Semaphore(self.policy.max_concurrency)
-        self._suspects = anyio.Lock()
+        self._suspects = anyio.Lock()  # retries run one at a time (rule 2)
         self.current: _Instance | None = None
         self.down: str | None = None
         self.closing = False
@@ -187,12 +208,17 @@ class _Supervised:
         if first is not None:
             self._adopt(first)
 
+    def may_retry(self, tool: str) -> bool:
+        """Rule 2: whether a call of ``tool`` that its server died under may run again."""
+        how = self.policy.retry_on_crash
+        return how is True or (how == "idempotent" and tool in self.retry_safe_tools)
+
     async def call(self, tool: str, args: dict[str, Any], timeout_s: float) -> Answer:
         async with self.slots:
             answer, budget = await self._attempt(tool, args, timeout_s, 1)
             if not answer.died:
                 return answer._replace(server_s=timeout_s - budget)
-            if budget > 0 and self.policy.retry_on_crash and self.policy.restart and not self.closing:
+            if budget > 0 and self.may_retry(tool) and self.policy.restart and not self.closing:
                 self.stats["retries"] += 1
                 answer, budget = await self._retry(tool, args, budget)
                 if not answer.died:
@@ -233,8 +259,12 @@ class _Supervised:
             why = "it died again on the retry after a restart"
         elif not self.policy.restart:
             why = "restart=False, so it stays down"
-        elif not self.policy.retry_on_crash:
+        elif self.policy.retry_on_crash is False:
             why = "not retried (retry_on_crash=False); the server is being restarted"
+        elif not self.may_retry(tool):
+            why = (f"not retried: {tool!r} does not declare itself read-only or idempotent (MCP annotations "
+                   f"readOnlyHint / idempotentHint), so it may have run before the crash and must not run twice "
+                   f"(retry_on_crash='idempotent'); the server is being restarted")
         else:
             why = "the toolbox is closing"
         return f"tool {tool!r} failed: its server {self.name!r} crashed during the call ({reason}); {why}"
@@ -359,6 +389,7 @@ class _MCPBackend:
         self.spec, self.name, self.policy = spec, name, policy
         self.stats: Counter = Counter()
         self.tools: list[Any] = []
+        self.retry_safe_tools: frozenset[str] = frozenset()
         self.pool = _Pool(spec, name, policy, self.stats)
         self.shared: _Supervised | None = None
         self.episodes: dict[str, _Supervised] = {}
@@ -372,8 +403,9 @@ class _MCPBackend:
             await first.close()
             raise
         self.tools = first.tools
+        self.retry_safe_tools = frozenset(t.name for t in first.tools if retry_safe(t))
         if self.policy.isolation == "shared":
-            self.shared = _Supervised(self.pool, self.name, self.stats, first)
+            self.shared = _Supervised(self.pool, self.name, self.stats, first, retry_safe_tools=self.retry_safe_tools)
         else:  # unused so far: the first episode gets it
             self.pool.put(first)
         self.pool.refill()
@@ -387,7 +419,8 @@ class _MCPBackend:
                               "invalid_call")
             handle = self.episodes.get(episode_id)
             if handle is None:
-                handle = self.episodes[episode_id] = _Supervised(self.pool, f"{self.name}[{episode_id}]", self.stats)
+                handle = self.episodes[episode_id] = _Supervised(self.pool, f"{self.name}[{episode_id}]", self.stats,
+                                                                 retry_safe_tools=self.retry_safe_tools)
         return await handle.call(tool, args, timeout_s)
 
     def end_episode(self, episode_id: str) -> None:

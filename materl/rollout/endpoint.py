@@ -12,7 +12,8 @@ a model through the OpenAI API (``ml.agent_episodes``).
 
 Routes: ``GET /v1/models`` and ``POST /v1/chat/completions`` (``tools=`` rendered by the model's
 chat template; ``tool_calls`` parsed from the sampled text by materl's parser for the model's
-format; ``stream=True`` answers with Server-Sent Events in OpenAI's chunk format, sent once the
+format, every call of the turn in the order the model wrote them (``parallel_tool_calls=false``:
+the turn stops after its first call, see ``episode.model_turn``); ``stream=True`` answers with Server-Sent Events in OpenAI's chunk format, sent once the
 turn is sampled). Every episode has its own bearer key, so concurrent episodes never share a
 token record; a missing or unknown key is a 401. A malformed request is a 400, and the error is
 also kept on the session so the op fails that episode (``AgentSession.errors``).
@@ -227,8 +228,12 @@ class AgentEndpoint:
         stop = body.get("stop") or ()
         params = replace(params, max_new_tokens=min(params.max_new_tokens, int(cap)) if cap else params.max_new_tokens,
                          stop_strings=tuple(params.stop_strings) + ((stop,) if isinstance(stop, str) else tuple(stop)))
+        parallel = body.get("parallel_tool_calls", True)
+        if not isinstance(parallel, bool):
+            raise BadRequest(f"'parallel_tool_calls' must be true or false, got {parallel!r:.200}")
         state = session.trace.context(messages, tools)
-        result = await model_turn(session.engine, session.tokenizer, state, params, parser=session.parser)
+        result = await model_turn(session.engine, session.tokenizer, state, params, parser=session.parser,
+                                  parallel_tool_calls=parallel)
         reply = session.trace.record(result, messages)
         n_out = len(result.step.token_ids)
         usage = {"prompt_tokens": len(state.ids), "completion_tokens": n_out, "total_tokens": len(state.ids) + n_out}

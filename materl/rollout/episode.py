@@ -21,7 +21,7 @@ import anyio
 
 from materl.engines.base import SamplingParams
 from materl.errors import EngineError
-from materl.rollout.parsers import error_result, parse_safely
+from materl.rollout.parsers import error_result, one_call_per_turn, parse_safely
 from materl.rollout.tool_formats import choose_format
 from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes, cap_tokens
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
@@ -242,31 +242,50 @@ async def _parse(fmt, tokenizer, state: EpisodeState, token_ids: list[int], text
 
 
 async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
-                        *, parser: str = "auto", max_tool_output_tokens: int | None = None) -> StepResult:
-    """One model turn: append the answers to the previous turn's calls (exact tokens), generate,
-    and parse the calls with ``parser`` (``"auto"``: the format the chat template declares; see
-    ``tool_formats.choose_format``). Model output never raises here: malformed calls are error calls."""
+                        *, parser: str = "auto", max_tool_output_tokens: int | None = None,
+                        parallel_tool_calls: bool = True) -> StepResult:
+    """One model turn: append the answers to the previous turn's calls (exact tokens, in call
+    order), generate, and parse the calls with ``parser`` (``"auto"``: the format the chat
+    template declares; see ``tool_formats.choose_format``); ``parallel_tool_calls`` as in
+    ``model_turn``. Model output never raises here: malformed calls are error calls."""
     if state.done:
         return StepResult(state, None)
     if state.steps:
         calls = state.pending_calls
         if not calls:
             return StepResult(replace(state, done=True), None)
-        results = _as_results(tool_responses, [c for c in calls if c.error is None])
-        results = [error_result(c) for c in calls if c.error is not None] + results
+        results = in_call_order(calls, _as_results(tool_responses, [c for c in calls if c.error is None]))
         state = append_tool_results(tokenizer, state, results, max_output_tokens=max_tool_output_tokens)
-    return await model_turn(engine, tokenizer, state, params, parser=parser)
+    return await model_turn(engine, tokenizer, state, params, parser=parser, parallel_tool_calls=parallel_tool_calls)
+
+
+def in_call_order(calls: list[ToolCall], results: list[ToolResult]) -> list[ToolResult]:
+    """The tool turn's results in the order the model wrote its calls: ``results`` answer the
+    well-formed calls (in order), each malformed call gets its ``error_result`` in its place;
+    results beyond the calls (a custom op's extras) follow."""
+    good = iter(results)
+    out = [error_result(c) if c.error is not None else next(good, None) for c in calls]
+    return [r for r in out if r is not None] + list(good)
 
 
 async def model_turn(engine, tokenizer, state: EpisodeState, params: SamplingParams, *,
-                     parser: str = "auto") -> StepResult:
+                     parser: str = "auto", parallel_tool_calls: bool = True) -> StepResult:
     """Sample the model's turn after ``state`` (exact ids) and parse its tool calls with
     ``parser``; the episode is done when the turn makes no call or hits its token limit.
-    ``generate_step`` and the OpenAI-compatible endpoint (``rollout/endpoint.py``) sample here."""
+    ``generate_step`` and the OpenAI-compatible endpoint (``rollout/endpoint.py``) sample here.
+
+    ``parallel_tool_calls`` (OpenAI's flag, on by default there too): the turn runs to the model's
+    end of turn and keeps every call it writes (Qwen, Llama 3.x, Mistral write several; a format
+    with one call per message, gpt-oss harmony, still stops after it). Off: the turn stops after its
+    first complete call (the format's stop string), and any later call a format without one
+    parsed is answered as not run (``parsers.one_call_per_turn``)."""
     fmt = choose_format(tokenizer, parser)
-    params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(fmt.stop_strings))
+    stops = fmt.turn_stop_strings(parallel_tool_calls=parallel_tool_calls)
+    params = replace(params, stop_strings=tuple(params.stop_strings) + tuple(stops))
     sampled = await sample_turn(engine, tokenizer, state.ids, params)
     parsed = await _parse(fmt, tokenizer, state, sampled.token_ids, sampled.text)
+    if not parallel_tool_calls:
+        parsed = replace(parsed, calls=one_call_per_turn(parsed.calls))
     step = replace(sampled, tool_calls=parsed.calls,
                    finish_reason="tool_call" if parsed.calls else sampled.finish_reason,
                    error="; ".join(c.error for c in parsed.calls if c.error) or None,

@@ -29,9 +29,11 @@ Guarantees:
   slot (``max_concurrency`` per server) or a restarting server is not counted.
 - Recovery (``materl.rollout._mcp_server``): a server that dies is restarted (at once when it
   died under calls; with exponential backoff while it keeps dying on its own) and the calls
-  that were in flight on it are retried once, one at a time (``retry_on_crash=False`` turns
-  that off for non-idempotent tools); ``restart_after_timeouts`` calls in a row that time out
-  restart it too. An HTTP server is never given up on: it is reconnected with backoff for as
+  that were in flight on it are retried once, one at a time, when that cannot run a side
+  effect twice: ``retry_on_crash="idempotent"`` (the default) retries the calls of tools that
+  declare themselves read-only or idempotent (MCP annotations ``readOnlyHint`` /
+  ``idempotentHint``), ``True`` every call, ``False`` none; ``restart_after_timeouts`` calls in
+  a row that time out restart it too. An HTTP server is never given up on: it is reconnected with backoff for as
   long as the run lasts, each call waiting at most ``MCPServer(reconnect_s=)`` for it.
 - Start: every tool's input schema is checked as a JSON Schema (``ToolError`` naming server
   and tool). Server settings live in ``materl.rollout.mcp_spec`` (``MCPServer``).
@@ -117,7 +119,7 @@ def _with_prefix(prefix: str, spec: Any) -> Source:
 
 def mcp_tools(*servers: Source | str | Sequence[str] | Mapping[str, Any], timeout_s: float | None = None,
               max_concurrency: int = 8, restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
-              retry_on_crash: bool = True, restart_after_timeouts: int = 3,
+              retry_on_crash: bool | str = "idempotent", restart_after_timeouts: int = 3,
               max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES, separator: str = ".",
               workdir: str | None = None) -> Toolbox:
     """A ``Toolbox`` over the given servers; start it with ``async with`` or ``await start()``.
@@ -164,10 +166,11 @@ class Toolbox:
 
     def __init__(self, servers: Sequence[Source], *, timeout_s: float | None = None, max_concurrency: int = 8,
                  restart: bool = True, isolation: str = "shared", pool_size: int | None = None,
-                 retry_on_crash: bool = True,
+                 retry_on_crash: bool | str = "idempotent",
                  restart_after_timeouts: int = 3, max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES,
                  separator: str = ".", workdir: str | None = None):
-        _check_settings(timeout_s, max_concurrency, isolation, pool_size, restart_after_timeouts, where="mcp_tools")
+        _check_settings(timeout_s, max_concurrency, isolation, pool_size, restart_after_timeouts, where="mcp_tools",
+                        retry_on_crash=retry_on_crash)
         if not (isinstance(max_output_bytes, int) and max_output_bytes >= 256):
             raise ConfigError(f"mcp_tools: max_output_bytes must be an integer >= 256, got {max_output_bytes!r}")
         self.timeout_s, self.max_output_bytes, self.separator = timeout_s, max_output_bytes, separator

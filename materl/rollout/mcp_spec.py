@@ -18,9 +18,12 @@ from urllib.parse import urlsplit
 
 from materl.errors import ConfigError
 
-__all__ = ["EPISODE_DIR", "ISOLATIONS", "MCPServer", "START_TIMEOUT_S", "URL_SCHEMES", "looks_like_url"]
+__all__ = ["EPISODE_DIR", "ISOLATIONS", "MCPServer", "RETRY_ON_CRASH", "START_TIMEOUT_S", "URL_SCHEMES", "looks_like_url"]
 
 START_TIMEOUT_S = 60.0
+# MCPServer(retry_on_crash=): retry a call its server died under? "idempotent": when its tool
+# declares itself read-only or idempotent (MCP annotations readOnlyHint / idempotentHint)
+RETRY_ON_CRASH = (True, False, "idempotent")
 # How long one call waits for an HTTP server that went away to answer again (MCPServer.reconnect_s).
 RECONNECT_S = 10.0
 ISOLATIONS = ("shared", "episode")
@@ -41,13 +44,15 @@ class MCPServer:
     """One MCP server: ``command`` (stdio; a string is split like a shell would) or ``url``
     (streamable HTTP). Fields left ``None`` take the ``mcp_tools`` defaults: ``timeout_s``,
     ``max_concurrency`` (per instance), ``isolation`` ("shared" or "episode"), ``pool_size``
-    (pre-started instances), ``retry_on_crash``, ``restart_after_timeouts``. ``start_timeout_s``
+    (pre-started instances), ``retry_on_crash`` (``RETRY_ON_CRASH``), ``restart_after_timeouts``. ``start_timeout_s``
     bounds one start (connect and list tools). ``reconnect_s`` (HTTP only) bounds how long one
     call waits for a server that went away to answer again; the Toolbox keeps reconnecting
     for as long as the run lasts.
     ``prefix`` names its tools ``prefix.tool``. A leading ``python``/``python3`` in ``command``
     runs as ``sys.executable``. A stdio server gets the SDK's safe default environment (PATH,
-    HOME, ...) plus ``env``. With ``isolation="episode"``, ``{episode_dir}`` in ``command``,
+    HOME, ...), this process's ``PYTHONDONTWRITEBYTECODE`` and, when it runs as
+    ``sys.executable``, its ``PYTHONPATH`` (``INHERITED_ENV``: so a materl found through
+    ``PYTHONPATH`` can start its own servers), plus ``env``, which wins. With ``isolation="episode"``, ``{episode_dir}`` in ``command``,
     ``env`` values and ``cwd`` is the instance's own working directory (also its cwd when
     ``cwd`` is not given), removed when its episode ends. (Not the SDK's server class
     ``mcp.server.mcpserver.MCPServer``: this one only describes how to reach a server.)"""
@@ -62,7 +67,7 @@ class MCPServer:
     timeout_s: float | None = None
     isolation: str | None = None
     pool_size: int | None = None
-    retry_on_crash: bool | None = None
+    retry_on_crash: bool | str | None = None
     restart_after_timeouts: int | None = None
     start_timeout_s: float = START_TIMEOUT_S
     reconnect_s: float = RECONNECT_S
@@ -83,7 +88,7 @@ class MCPServer:
                 raise ConfigError(f"MCPServer url {self.url!r}: {EPISODE_DIR} is for stdio servers (their "
                                   f"command, env and cwd); an HTTP server keeps its own state")
         check_settings(self.timeout_s, self.max_concurrency, self.isolation, self.pool_size,
-                       self.restart_after_timeouts, where=f"MCPServer {self.label!r}")
+                       self.restart_after_timeouts, where=f"MCPServer {self.label!r}", retry_on_crash=self.retry_on_crash)
         for key in ("start_timeout_s", "reconnect_s"):
             value = getattr(self, key)
             if not (isinstance(value, (int, float)) and value > 0):
@@ -109,8 +114,8 @@ class MCPServer:
         (which is also the cwd when ``cwd`` is not set). A relative program path
         (``bin/server``) is made absolute first, as the program then starts in another folder;
         other relative paths in the arguments resolve in the new cwd."""
-        env = {str(k): str(v) for k, v in (self.env or {}).items()}
         argv = self.argv
+        env = {**inherited_env(argv), **{str(k): str(v) for k, v in (self.env or {}).items()}}
         if episode_dir is None:
             return argv, env, self.cwd
 
@@ -139,9 +144,27 @@ class MCPServer:
         return self.url if self.url is not None else shlex.join(self.argv)
 
 
+# Variables a stdio server takes from this process beyond the MCP SDK's default environment:
+# name -> whether only servers that run as this interpreter (``sys.executable``) get it.
+INHERITED_ENV = {"PYTHONDONTWRITEBYTECODE": False, "PYTHONPATH": True}
+
+
+def inherited_env(argv: Sequence[str]) -> dict[str, str]:
+    """The ``INHERITED_ENV`` variables this process has that a server run as ``argv`` gets.
+    ``PYTHONPATH`` goes only to this interpreter: another Python (a tool's own virtualenv) would
+    import this one's packages over its own."""
+    same_python = bool(argv) and argv[0] == sys.executable
+    return {k: os.environ[k] for k, python_only in INHERITED_ENV.items()
+            if k in os.environ and (same_python or not python_only)}
+
+
 def check_settings(timeout_s: Any, max_concurrency: Any, isolation: Any, pool_size: Any,
-                   restart_after_timeouts: Any, *, where: str) -> None:
+                   restart_after_timeouts: Any, *, where: str, retry_on_crash: Any = None) -> None:
     """ConfigError naming ``where`` for a setting out of range (``None``: not set)."""
+    if retry_on_crash is not None and not any(retry_on_crash is v or retry_on_crash == v and isinstance(v, str)
+                                              for v in RETRY_ON_CRASH):
+        raise ConfigError(f"{where}: retry_on_crash={retry_on_crash!r}; accepted: True (retry every call its server "
+                          f"died under), 'idempotent' (only tools that declare readOnlyHint or idempotentHint), False")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise ConfigError(f"{where}: timeout_s must be > 0, got {timeout_s!r}")
     if max_concurrency is not None and not (isinstance(max_concurrency, int) and max_concurrency >= 1):

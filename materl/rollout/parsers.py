@@ -18,8 +18,10 @@ Guarantees of every built-in format (``hermes``, ``json``, ``qwen3_coder``, ``ll
   replaced by U+FFFD, so it can neither break a tokenizer nor a server connection.
 
 A format is a ``ToolCallFormat``: its ``parse(text, tools)`` (``tools``: the OpenAI function
-specs the model was shown, used by XML formats to give arguments their schema types), the
-``stop_strings`` an engine may stop at, whether it needs the text decoded *with* special
+specs the model was shown, used by XML formats to give arguments their schema types; every call
+of the text, in order), whether a turn may hold several calls (``parallel``; harmony: one call
+per message), the ``stop_strings`` an engine stops at after one call when parallel tool calls
+are off (``turn_stop_strings``), whether it needs the text decoded *with* special
 tokens (``[TOOL_CALLS]``, harmony's ``<|channel|>``... are special tokens), and the
 ``markers`` that identify it in a chat template. ``tool_formats.choose_format(tokenizer, "auto")``
 picks:
@@ -51,8 +53,8 @@ from materl.rollout._json_calls import (
 )
 from materl.rollout.types import ToolCall, ToolResult
 
-__all__ = ["TOOL_PARSERS", "ParsedMessage", "ToolCallFormat", "choose_format", "error_result", "parse_safely",
-           "stop_strings", "tool_format"]
+__all__ = ["NOT_RUN_SERIAL", "TOOL_PARSERS", "ParsedMessage", "ToolCallFormat", "choose_format", "error_result",
+           "one_call_per_turn", "parse_safely", "stop_strings", "tool_format"]
 
 
 @dataclass
@@ -73,6 +75,13 @@ class ToolCallFormat:
     special_tokens: bool = False  # parse the text decoded with special tokens kept
     markers: tuple[str, ...] = ()  # all present in a chat template -> this format
     uses_prefix: bool = False  # parse(text, tools, prefix): also needs the prompt's tail text
+    parallel: bool = True  # the format writes several calls in one turn (harmony: one per message)
+
+    def turn_stop_strings(self, *, parallel_tool_calls: bool = True) -> tuple[str, ...]:
+        """The stop strings of one model turn: none with parallel calls (the turn ends at the
+        end-of-turn token, after as many calls as the model writes), else ``stop_strings`` (the
+        turn ends after its first complete call)."""
+        return () if parallel_tool_calls and self.parallel else self.stop_strings
 
     def __call__(self, text: str, tools: list[dict] | None = None, *, prefix: str = "") -> ParsedMessage:
         return self.parse(text, tools, prefix) if self.uses_prefix else self.parse(text, tools)
@@ -83,11 +92,12 @@ TOOL_PARSERS: Registry[ToolCallFormat] = Registry("tool_parser")
 
 
 def tool_format(name: str, *, stop: tuple[str, ...] = (), special_tokens: bool = False,
-                markers: tuple[str, ...] = ()):
-    """Register ``fn(text, tools) -> ParsedMessage`` as the format ``name``."""
+                markers: tuple[str, ...] = (), parallel: bool = True):
+    """Register ``fn(text, tools) -> ParsedMessage`` as the format ``name`` (``parallel``: whether
+    a turn may hold several calls; ``stop``: where a turn with one call ends)."""
 
     def decorator(fn):
-        TOOL_PARSERS.register(name, ToolCallFormat(name, fn, stop, special_tokens, markers))
+        TOOL_PARSERS.register(name, ToolCallFormat(name, fn, stop, special_tokens, markers, parallel=parallel))
         return fn
 
     return decorator
@@ -230,8 +240,28 @@ def _dump(obj: Any) -> str:
 # -- choosing a format, stop strings, error results --------------------------------------------
 
 
+# ``ToolCall.error`` of the calls after the first in a turn when parallel tool calls are off
+NOT_RUN_SERIAL = "parallel tool calls are off (parallel_tool_calls=False): only a turn's first call runs"
+
+
+def one_call_per_turn(calls: list[ToolCall]) -> list[ToolCall]:
+    """``parallel_tool_calls=False``: the first call as it is, every later one an error call
+    (``NOT_RUN_SERIAL``) that is answered, never run, so the model learns to call one at a time."""
+    out, ran = [], False
+    for call in calls:
+        if call.error is None and ran:
+            call = ToolCall(call.name, call.arguments, id=call.id, raw=call.raw, error=NOT_RUN_SERIAL)
+        ran = ran or call.error is None
+        out.append(call)
+    return out
+
+
 def error_result(call: ToolCall) -> ToolResult:
     """The tool message the model sees for a malformed call (``call.error`` set)."""
+    if call.error == NOT_RUN_SERIAL:
+        return ToolResult(name=call.name, is_error=True, call_id=call.id, error_kind="invalid_call",
+                          content=f"Error: this call was not run: only one tool call per turn is allowed here "
+                                  f"(parallel tool calls are off). Call {call.name!r} again in a later turn.")
     why = call.error or "the call could not be parsed"
     return ToolResult(
         name=call.name,

@@ -221,7 +221,7 @@ _H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _H_TOKENS = re.compile(r"<\|(?:start|end|message|channel|constrain|call|return)\|>")
 
 
-@tool_format("harmony", stop=("<|call|>",), special_tokens=True, markers=(_H_CHANNEL, "<|call|>"))
+@tool_format("harmony", stop=("<|call|>",), special_tokens=True, markers=(_H_CHANNEL, "<|call|>"), parallel=False)
 def harmony(text: str, tools: list[dict] | None = None) -> ParsedMessage:
     """Messages ``[<|start|>ROLE]HEADER<|message|>BODY<|end|>|<|call|>|<|return|>``; a header
     with ``to=functions.NAME`` (or any ``to=RECIPIENT``) makes its body a call; the content
@@ -272,8 +272,9 @@ def response_template_format(tokenizer: Any) -> ToolCallFormat:
             return _fallback(tokenizer)(text, tools)
         return _from_message(message, rest)
 
-    return ToolCallFormat("response_template", parse, stop_strings=_fallback(tokenizer).stop_strings,
-                          special_tokens=True, uses_prefix=True)
+    fallback = _fallback(tokenizer)
+    return ToolCallFormat("response_template", parse, stop_strings=fallback.stop_strings,
+                          special_tokens=True, uses_prefix=True, parallel=fallback.parallel)
 
 
 def _fallback(tokenizer: Any) -> ToolCallFormat:

@@ -4,6 +4,10 @@
     table = compare_table(runs, metrics)            # final and best of each metric, per run
     figure = draw_comparison(runs, metrics)         # one panel per metric, one line per run
 
+Without ``--metrics`` the table shows a short set (``DEFAULT_TABLE``: reward and its terms, masked
+episodes, loss, kl, tool calls and success, first/last-turn advantages, evaluation); ``--metrics
+all`` shows every metric the runs share; ``--columns`` picks the columns per run (``COLUMNS``).
+
 A metric's *final* value is its value at the last step that logged it; its *best* is the max or
 the min over the steps, by the metric's direction (``direction``, from its name):
 
@@ -31,6 +35,18 @@ from materl.runtime.logging import METRICS_FILE, read_metrics
 PLOT_FILE = "compare.png"
 # what the plot draws without --metrics (those every run has)
 DEFAULT_PLOT = ("reward", "reward/*/mean", "loss", "eval/accuracy", "eval/reward", "tool_success")
+# the table's rows without --metrics (those every run has); --metrics all: every common metric
+DEFAULT_TABLE = ("reward", "reward/*/mean", "masked_episodes", "loss", "kl", "tool_calls", "tool_success",
+                 "advantages/first_turn/mean", "advantages/last_turn/mean", "eval/accuracy", "eval/reward",
+                 "eval/tool_success")
+ALL = "all"
+# the table's columns per run (--columns): final value, best value @step, first value, mean over steps
+COLUMNS = ("final", "best", "first", "mean")
+DEFAULT_COLUMNS = ("final", "best")
+# one style per run, so identical curves stay visible: the later runs draw narrower, other dashes
+# and other markers over the earlier ones
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "D", "v", "x", "+", "*")
 UP_LAST = ("accuracy", "tool_success", "tokens_per_s")
 DOWN_FIRST = ("time", "failures")
 DOWN_LAST = ("failed", "failed_episodes")
@@ -111,24 +127,52 @@ def final_and_best(run: Run, metric: str) -> tuple[float, tuple[float, int] | No
     return values[-1], (best, steps[values.index(best)])
 
 
-def compare_table(runs: Mapping[str, Run], metrics: Sequence[str]) -> str:
-    """A text table: one row per metric, a ``final`` and a ``best`` column per run (``best`` as
-    ``value @step``, ``-`` for a metric without a direction)."""
-    header = ["metric"] + [f"{label} {col}" for label in runs for col in ("final", "best")]
+def short_labels(names: Sequence[str]) -> dict[str, str]:
+    """Each run dir's shortest trailing path that tells it from the others (``runs/a`` -> ``a``;
+    ``x/seed0`` and ``y/seed0`` keep their parents)."""
+    parts = {n: Path(n).parts or (n,) for n in names}
+    for k in range(1, max(len(p) for p in parts.values()) + 1):
+        labels = {n: "/".join(p[-k:]) for n, p in parts.items()}
+        if len(set(labels.values())) == len(labels):
+            return labels
+    return {n: n for n in names}
+
+
+def compare_table(runs: Mapping[str, Run], metrics: Sequence[str], *,
+                  columns: Sequence[str] = DEFAULT_COLUMNS) -> str:
+    """A text table: one row per metric, the ``columns`` per run (``COLUMNS``: ``final``, ``best``
+    as ``value @step`` or ``-`` for a metric without a direction, ``first``, ``mean`` over the
+    steps); runs are headed by their ``short_labels``."""
+    bad = [c for c in columns if c not in COLUMNS]
+    if bad or not columns:
+        raise ConfigError(f"compare: --columns {','.join(columns)!r}: unknown column(s) "
+                          f"{', '.join(bad) or '(none given)'}; valid: {', '.join(COLUMNS)}")
+    labels = short_labels(list(runs))
+    header = ["metric"] + [f"{labels[name]} {col}" for name in runs for col in columns]
     rows = [header]
     for metric in metrics:
         row = [metric]
         for run in runs.values():
-            final, best = final_and_best(run, metric)
-            row += [f"{final:.4g}", f"{best[0]:.4g} @{best[1]}" if best is not None else "-"]
+            row += [_cell(run, metric, col) for col in columns]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths)))
                      .rstrip() for r in rows)
 
 
+def _cell(run: Run, metric: str, column: str) -> str:
+    _, values = series(run, metric)
+    if column == "best":
+        best = final_and_best(run, metric)[1]
+        return f"{best[0]:.4g} @{best[1]}" if best is not None else "-"
+    value = {"final": values[-1], "first": values[0], "mean": sum(values) / len(values)}[column]
+    return f"{value:.4g}"
+
+
 def draw_comparison(runs: Mapping[str, Run], metrics: Sequence[str]):
-    """A matplotlib Figure (Agg canvas) with one panel per metric and one line per run."""
+    """A matplotlib Figure (Agg canvas) with one panel per metric and one line per run. Each run
+    has its own line style, marker and width (``LINE_STYLES``, ``MARKERS``; the first run widest),
+    so runs with identical values still show every line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -136,11 +180,14 @@ def draw_comparison(runs: Mapping[str, Run], metrics: Sequence[str]):
     fig = Figure(figsize=(7.0, 2.3 * len(metrics)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
+    n = len(runs)
     for ax, metric in zip(axes, metrics):
-        for label, run in runs.items():
+        for i, (label, run) in enumerate(runs.items()):
             steps, values = series(run, metric)
-            ax.plot(steps, values, label=label, linestyle="--" if metric.startswith("eval/") else "-",
-                    marker="o" if len(steps) < 30 else None, markersize=3)
+            ax.plot(steps, values, label=label, linestyle=LINE_STYLES[i % len(LINE_STYLES)],
+                    marker=MARKERS[i % len(MARKERS)], markevery=max(1, len(steps) // 15),
+                    markersize=3 + 2 * (n - 1 - i), linewidth=1.0 + 1.5 * (n - 1 - i) / max(1, n - 1),
+                    markerfacecolor="none" if i else None, zorder=2 + i)
         ax.set_ylabel(metric, fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")  # the same runs, in the same colours, in every panel
@@ -150,10 +197,11 @@ def draw_comparison(runs: Mapping[str, Run], metrics: Sequence[str]):
 
 
 def compare(run_dirs: Sequence[str | Path], *, metrics: Sequence[str] | None = None,
-            out: str | Path = PLOT_FILE) -> tuple[str, Path | None]:
-    """What ``materl compare`` runs: the table of ``metrics`` (default: every common metric) and
-    the plot of ``metrics`` (default: ``DEFAULT_PLOT``'s common ones) written to ``out``;
-    returns ``(table, plot path)`` (no path when there is nothing to draw)."""
+            out: str | Path = PLOT_FILE, columns: Sequence[str] = DEFAULT_COLUMNS) -> tuple[str, Path | None]:
+    """What ``materl compare`` runs: the table of ``metrics`` (default: ``DEFAULT_TABLE``'s common
+    ones, or every common one when none of those is; ``["all"]``: every common metric) with
+    ``columns`` per run, and the plot of ``metrics`` (default: ``DEFAULT_PLOT``'s common ones)
+    written to ``out``; returns ``(table, plot path)`` (no path when there is nothing to draw)."""
     if len(run_dirs) < 1:
         raise ConfigError("compare: give at least one run dir")
     twice = sorted({str(d) for d in run_dirs if [str(x) for x in run_dirs].count(str(d)) > 1})
@@ -163,8 +211,12 @@ def compare(run_dirs: Sequence[str | Path], *, metrics: Sequence[str] | None = N
     common = common_metrics(runs)
     if not common:
         raise ConfigError(f"compare: the runs have no metric in common ({', '.join(runs)})")
-    table = compare_table(runs, select(common, metrics) if metrics is not None else common)
-    drawn = select(common, metrics, default=DEFAULT_PLOT)
+    if metrics is not None and list(metrics) == [ALL]:
+        rows = drawn = common
+    else:
+        rows = select(common, metrics, default=DEFAULT_TABLE) or common
+        drawn = select(common, metrics, default=DEFAULT_PLOT)
+    table = compare_table(runs, rows, columns=columns)
     if not drawn:
         return table, None
     fig = draw_comparison(runs, drawn)

@@ -62,9 +62,11 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
           learner_ranks: int = 1, learner_strategy: str = "ddp", max_prompt_tokens: int | None = None,
           truncation: str = "error", curriculum: Curriculum | None = None,
           early_stopping: EarlyStopping | None = None) -> dict[str, Any]:
-    """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary with the per-step
-    history, evaluations and the last checkpoint path. Every record has metrics.jsonl's keys:
-    ``history`` the step's metrics, ``evals`` ``{"step": 0, "eval/accuracy": ..., "eval/reward": ...}``.
+    """Train for ``steps`` steps of ``batch_size`` prompts; returns a summary (``train_result``)
+    with the per-step history, the last step's metrics, evaluations and the last checkpoint path
+    (and ``best_checkpoint``, ``stopped_at`` with early stopping). Every record has metrics.jsonl's
+    keys: ``history`` the steps' metrics, ``final`` the last one's, ``evals`` ``{"step": 0,
+    "eval/accuracy": ..., "eval/reward": ...}``.
 
     Seeds torch, Python's ``random`` and numpy's global RNG with ``seed`` (reward code that uses
     any of them reproduces). A step whose episodes fail too often raises ``StepFailedError``
@@ -177,9 +179,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
             import ray
 
             ray.shutdown()  # the local cluster (or the connection) this call started
-    return {"history": run.history, "evals": run.evals, "checkpoint": str(run.last_ckpt) if run.last_ckpt else None,
-            "run_dir": str(run_dir), "best_checkpoint": _best(run, early_stopping),
-            "stopped_at": run.stopped_at}
+    stopped = {"best_checkpoint": _best(run, early_stopping), "stopped_at": run.stopped_at} if early_stopping else {}
+    return {**train_result(run.history, run.evals, run.last_ckpt, run_dir), **stopped}
 
 
 def _sampler(compiled, dataset: Any, curriculum: Curriculum | None, *, batch_size: int, seed: int, shuffle: bool,
@@ -216,6 +217,15 @@ class _Observed:
 
 class _StopEarly(Exception):
     """Raised by a step's bookkeeping when early stopping's patience ran out (after its save)."""
+
+
+def train_result(history: list[dict], evals: list[dict], checkpoint: Any, run_dir: Any) -> dict[str, Any]:
+    """What ``ml.train``, ``ml.train_rlhf`` and ``materl train`` return, one shape for all:
+    ``history`` (every step's metrics), ``final`` (the last step's, without per-node times),
+    ``evals``, ``checkpoint`` (the last saved, or None) and ``run_dir``."""
+    last = history[-1] if history else {}
+    return {"history": history, "final": {k: v for k, v in last.items() if not k.startswith("time/node")},
+            "evals": evals, "checkpoint": str(checkpoint) if checkpoint else None, "run_dir": str(run_dir)}
 
 
 class _Run:
@@ -392,10 +402,7 @@ def train_from_config(cfg, rows: Any = None) -> dict[str, Any]:
                        curriculum=curriculum, early_stopping=stopping)
     finally:
         compiled.close()
-    last = result["history"][-1] if result["history"] else {}
-    stopped = {k: result[k] for k in ("best_checkpoint", "stopped_at")} if stopping is not None else {}
-    return {"final": {k: v for k, v in last.items() if not k.startswith("time/node")}, "evals": result["evals"],
-            "checkpoint": result["checkpoint"], "run_dir": result["run_dir"], **stopped}
+    return result
 
 
 def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "grpo", dataset: Any = "arithmetic",
@@ -419,8 +426,9 @@ def train_rlhf(model_name: str = "smollm2-135m-instruct", *, algorithm: str = "g
     pairs or ``{"name", "weight", "params"}`` dicts, summed; empty keeps the recipe's rewards.
     ``use_mojo``: Mojo kernels where available (else the torch ops). Other keywords are compile
     options (``lr=``, ``group_size=``, ``max_new_tokens=`` ...). Bad values fail before anything
-    loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns ``{"final",
-    "evals", "checkpoint", "run_dir"}`` (and ``"best_checkpoint", "stopped_at"`` with early stopping).
+    loads, naming the field (``compile.group_size``, ``recipe`` ...). Returns what ``ml.train``
+    does (``train_result``: ``history``, ``final``, ``evals``, ``checkpoint``, ``run_dir``; and
+    ``best_checkpoint``, ``stopped_at`` with early stopping).
     """
     in_memory = not isinstance(dataset, (str, Path))
     specs = [_reward_spec(r) for r in ([reward_functions] if isinstance(reward_functions, str) else reward_functions)]

@@ -21,6 +21,7 @@ import pytest
 
 from materl.errors import ToolError
 from materl.rollout.mcp import MCPServer, mcp_tools
+from materl.rollout.mcp_spec import inherited_env
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTY = [sys.executable, str(ROOT / "tests/tools/faulty_server.py")]
@@ -112,7 +113,8 @@ async def test_episode_dir_is_the_cwd_and_fills_the_command(tmp_path):
     relative = Path(os.path.relpath(FAULTY[1]))
     spec = MCPServer(command=[sys.executable, str(relative)], isolation="episode", env={"DB": "{episode_dir}/x"})
     argv, env, cwd = spec.launch("/e/1")
-    assert (argv, env, cwd) == ([sys.executable, str(relative)], {"DB": "/e/1/x"}, "/e/1")  # python is absolute
+    # python is absolute; the env is this process's inherited variables (mcp_spec.inherited_env) plus env=
+    assert (argv, env, cwd) == ([sys.executable, str(relative)], {**inherited_env(argv), "DB": "/e/1/x"}, "/e/1")
     argv, _, _ = MCPServer(command=[str(relative), "--db", "{episode_dir}/db"]).launch("/e/1")
     assert argv == [str(ROOT / "tests/tools/faulty_server.py"), "--db", "/e/1/db"]
 

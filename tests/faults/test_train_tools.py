@@ -204,7 +204,9 @@ def test_http_tool_server_restarted_during_training(tmp_path, monkeypatch):
     outage = [r["step"] for r in steps if r.get("infra_failures/unavailable", 0) > 0]
     assert outage[0] == 3 and outage == list(range(3, outage[-1] + 1)), outage  # from the first step after the kill
     # 4 episodes a step (2 prompts x group_size 2): step 3 ran wholly in the outage
-    assert steps[2]["infra_failures/unavailable"] == 4.0 and steps[2]["reward/calc_ok/mean"] == 0.0
+    # its rewards (0 for every episode) are not the model's: the reward metrics leave them out
+    assert steps[2]["infra_failures/unavailable"] == 4.0 and steps[2]["masked_episodes"] == 4.0
+    assert "reward" not in steps[2] and "reward/calc_ok/mean" not in steps[2]
     assert steps[2]["infra_failures/episodes_masked"] == 4.0 and steps[2]["infra_failures/update_skipped"] == 1.0
     assert "loss" not in steps[2] and "loss" in steps[-1]  # the skipped step took no optimizer step
     skipped = [r["step"] for r in steps if r["infra_failures/update_skipped"] == 1.0]

@@ -105,9 +105,10 @@ async def test_a_tool_loop_over_the_openai_client_trains_on_the_sampled_ids(call
     assert p2 == p1 + g1.token_ids + tool.token_ids
     assert rollout.loss_mask == [1] * len(g1.token_ids) + [0] * len(tool.token_ids) + [1] * len(g2.token_ids)
     tok = caller.tokenizer
-    # the turn stopped at the hermes stop string "</tool_call>", so the glue closes it with <|im_end|>
-    assert tok.decode(g1.token_ids).endswith("</tool_call>")
-    assert tok.decode(tool.token_ids) == ("<|im_end|>\n<|im_start|>tool\n<tool_response>\n5\n</tool_response>"
+    # parallel tool calls (OpenAI's default): the turn ran past "</tool_call>" to the model's own
+    # end of turn, which is trained; the glue starts after it
+    assert tok.decode(g1.token_ids).endswith("</tool_call><|im_end|>")
+    assert tok.decode(tool.token_ids) == ("\n<|im_start|>tool\n<tool_response>\n5\n</tool_response>"
                                           "<|im_end|>\n<|im_start|>assistant\n")
     assert [(r.name, r.content, r.call_id) for r in tool.tool_results] == [("calculate", "5", first["tool_calls"][0]["id"])]
     assert rollout.metadata["num_segments"] == 1 and rollout.metadata["requests"] == 2

@@ -68,14 +68,51 @@ def test_table_has_final_and_best_of_the_common_metrics(two_runs, tmp_path, caps
     out_png = tmp_path / "plots" / "ab.png"
     assert main(["compare", str(a), str(b), "--out", str(out_png)]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split() == ["metric", str(a), "final", str(a), "best", str(b), "final", str(b), "best"]
+    # runs headed by the shortest end of their paths that tells them apart
+    assert out.splitlines()[0].split() == ["metric", "a", "final", "a", "best", "b", "final", "b", "best"]
     rows = table_rows(out)
-    assert list(rows) == ["eval/accuracy", "loss", "lr", "reward"]  # only_a is not in both runs
+    # the default rows: the shaping metrics the runs share (lr is not one; only_a is not in both)
+    assert list(rows) == ["reward", "loss", "eval/accuracy"]
     assert rows["reward"] == ["0.5", "0.8", "@2", "0.9", "0.9", "@3"]
     assert rows["loss"] == ["0.6", "0.4", "@2", "0.2", "0.2", "@3"]
     assert rows["eval/accuracy"] == ["0.75", "0.75", "@3", "0.5", "0.5", "@0"]
-    assert rows["lr"] == ["0.0001", "-", "0.0003", "-"]  # a setting has no best
     assert out.splitlines()[-1] == f"plot: {out_png}" and out_png.read_bytes()[:4] == b"\x89PNG"
+    # every shared metric on request
+    assert main(["compare", str(a), str(b), "--metrics", "all", "--out", str(out_png)]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert list(rows) == ["eval/accuracy", "loss", "lr", "reward"]
+    assert rows["lr"] == ["0.0001", "-", "0.0003", "-"]  # a setting has no best
+
+
+def test_columns_option_and_labels(two_runs, tmp_path, capsys):
+    a, b = two_runs
+    assert main(["compare", str(a), str(b), "--columns", "first,mean", "--metrics", "reward",
+                 "--out", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["metric", "a", "first", "a", "mean", "b", "first", "b", "mean"]
+    # a: first 0.2, mean (0.2 + 0.8 + 0.5) / 3 = 0.5; b: first 0.1, mean (0.1 + 0.3 + 0.9) / 3 = 0.4333
+    assert table_rows(out)["reward"] == ["0.2", "0.5", "0.1", "0.4333"]
+    with pytest.raises(ConfigError, match=r"unknown column\(s\) worst; valid: final, best, first, mean"):
+        compare([a, b], columns=["final", "worst"])
+    # two runs with one folder name keep their parents
+    seed_a = write_run(tmp_path / "x" / "seed0", [{"step": 1, "reward": 0.1}])
+    seed_b = write_run(tmp_path / "y" / "seed0", [{"step": 1, "reward": 0.2}])
+    table, _ = compare([seed_a, seed_b], out=tmp_path / "s.png")
+    assert table.splitlines()[0].split() == ["metric", "x/seed0", "final", "x/seed0", "best", "y/seed0", "final",
+                                             "y/seed0", "best"]
+
+
+def test_identical_curves_stay_visible(two_runs, tmp_path):
+    a, _ = two_runs
+    same = tmp_path / "same"
+    shutil.copytree(a, same)
+    fig = draw_comparison(load_runs([a, same]), ["reward"])
+    first, second = fig.axes[0].get_lines()
+    assert first.get_xydata().tolist() == second.get_xydata().tolist()  # the same values...
+    # ...drawn so that both show: another dash pattern and marker, narrower, on top, hollow
+    assert (first.get_linestyle(), first.get_marker()) != (second.get_linestyle(), second.get_marker())
+    assert first.get_linewidth() > second.get_linewidth() and first.get_markersize() > second.get_markersize()
+    assert second.get_zorder() > first.get_zorder() and second.get_markerfacecolor() == "none"
 
 
 def test_metrics_option_picks_rows_and_panels(two_runs, tmp_path, capsys, monkeypatch):
@@ -136,7 +173,8 @@ def test_a_real_run_against_itself(tmp_path, capsys):
                    run_dir=tmp_path / "real", progress=False, tensorboard=False)
     step.close()
     shutil.copytree(tmp_path / "real", tmp_path / "copy")
-    assert main(["compare", str(tmp_path / "real"), str(tmp_path / "copy"), "--out", str(tmp_path / "c.png")]) == 0
+    assert main(["compare", str(tmp_path / "real"), str(tmp_path / "copy"), "--metrics", "all",
+                 "--out", str(tmp_path / "c.png")]) == 0
     rows = table_rows(capsys.readouterr().out)
     history = result["history"]
     for run in (0, 1):  # final = the last step's value; best = max (reward) / min (loss) over the steps

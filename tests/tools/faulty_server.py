@@ -21,7 +21,9 @@ Calls run concurrently. Tools:
 - ``error``: an MCP error result (``isError``).   ``rpc_error``: a JSON-RPC error answer.
 - ``echo(text)``, ``pid()``, ``cwd()`` (its working directory), ``argv()`` (its arguments, JSON),
   and per-process state:
-  ``insert(value)``, ``total()``.
+  ``insert(value, seconds=0)`` (appends after ``seconds``), ``total()``.
+  Every tool but ``insert`` declares ``idempotentHint`` (MCP tool annotations): the Toolbox retries
+  those, not ``insert``, when the server dies under them.
 
 ``--start-delay S`` makes start-up slow; ``--fail-start`` exits before serving, and
 ``--fail-start-if-exists PATH`` does when PATH exists (a server that stops coming back).
@@ -40,14 +42,16 @@ _STR, _NUM, _INT = {"type": "string"}, {"type": "number"}, {"type": "integer"}
 
 
 def _tool(name, props=None, required=()):
+    # every tool but insert declares that running it again is harmless (retried after a crash)
     return {"name": name, "description": f"The {name} tool.",
-            "inputSchema": {"type": "object", "properties": props or {}, "required": list(required)}}
+            "inputSchema": {"type": "object", "properties": props or {}, "required": list(required)},
+            "annotations": {"idempotentHint": name != "insert"}}
 
 
 TOOLS = [_tool("work", {"fault": {**_STR, "enum": list(FAULTS)}, "seconds": _NUM, "size": _INT}),
          *(_tool(f) for f in FAULTS if f not in ("none", "slow", "huge")),
          _tool("slow", {"seconds": _NUM}, ["seconds"]), _tool("huge", {"size": _INT}, ["size"]),
-         _tool("echo", {"text": _STR}, ["text"]), _tool("pid"), _tool("insert", {"value": _INT}, ["value"]),
+         _tool("echo", {"text": _STR}, ["text"]), _tool("pid"), _tool("insert", {"value": _INT, "seconds": _NUM}, ["value"]),
          _tool("total"), _tool("cwd"), _tool("argv")]
 BROKEN = {**_tool("broken", {"x": {"type": "no-such-type"}}), "description": "A tool with an invalid schema."}
 ROWS: list[int] = []
@@ -89,7 +93,8 @@ async def call_tool(name, args, raw):
         return _text(os.getcwd())
     if name == "argv":
         return _text(json.dumps(sys.argv[1:]))
-    if name == "insert":
+    if name == "insert":  # a side effect: not idempotent (after ``seconds``, so it can be in flight)
+        await asyncio.sleep(float(args.get("seconds", 0)))
         ROWS.append(int(args["value"]))
         return _text(f"inserted; {len(ROWS)} rows")
     if name == "total":
