@@ -89,7 +89,7 @@ class Report:
 
     def summary(self) -> str:
         lines = ["| section | item | result |", "|---|---|---|"]
-        lines += [f"| {s} | {i} | {v} |" for s, i, v in self.rows]
+        lines += [f"| {s} | {i} | {v.replace('|', '/')} |" for s, i, v in self.rows]
         return "\n".join(lines)
 
 
@@ -132,17 +132,40 @@ def sync(device: torch.device) -> None:
 # -- 1. tests -------------------------------------------------------------------------------------
 
 def run_tests(report: Report, timeout_s: float) -> None:
+    """``pytest -m gpu`` over the files holding gpu tests; each failure's assertion and the tail of
+    its traceback become rows (so the log and the JSON say why, not only which)."""
+    import tempfile
+
     # only the files with gpu tests: collecting the whole suite imports extras (ray, hypothesis, ...)
     # that the GPU machine need not have
     files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text())
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *files, "-p", "no:cacheprovider"]
+    junit = Path(tempfile.mkdtemp(prefix="gpu_check_")) / "junit.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *files, "-p", "no:cacheprovider", "--tb=long",
+           f"--junitxml={junit}"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     tail = [line for line in out.stdout.splitlines() if line.strip()][-1:] or ["(no output)"]
     report.add("tests", "pytest -m gpu", f"rc {out.returncode}: {tail[0]}")
-    failed = [line for line in out.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    for line in failed[:10]:
-        report.add("tests", "failure", line[:300])
+    for name, message, trace in junit_failures(junit) if junit.exists() else []:
+        print(f"--- {name}\n{trace}", flush=True)
+        report.add("tests", f"failed: {name}", f"{message[:400]} // traceback tail: "
+                   + " // ".join(trace.strip().splitlines()[-TRACE_LINES:]))
+    if not junit.exists():
+        report.add("tests", "pytest output tail", " // ".join(out.stdout.splitlines()[-TRACE_LINES:]))
+
+
+TRACE_LINES = 15
+
+
+def junit_failures(path: Path) -> list[tuple[str, str, str]]:
+    """(test id, assertion message, traceback) of each failed or erroring test in a junit file."""
+    import xml.etree.ElementTree as ET
+
+    out = []
+    for case in ET.parse(path).getroot().iter("testcase"):
+        for bad in list(case.iter("failure")) + list(case.iter("error")):
+            out.append((f"{case.get('classname')}::{case.get('name')}", bad.get("message") or "", bad.text or ""))
+    return out
 
 
 # -- 2. decode ------------------------------------------------------------------------------------
@@ -177,31 +200,122 @@ def engine_generate(engine, prompts, new_tokens: int) -> float:
     return len(prompts) * new_tokens / (time.perf_counter() - t0)
 
 
-def decode_rows(report: Report, shape: str, batch: int, new_tokens: int, device, tokenizer) -> None:
+ENGINE_RUNS = {  # engine options of each materl decode row
+    "materl current loop": dict(device_loop=False),
+    "materl device loop (graph)": dict(device_loop=True, capture="graph"),
+    "materl device loop (compile)": dict(device_loop=True, capture="compile"),
+}
+
+
+def quiet_engine(model, tokenizer, batch: int, **options):
+    """A transformers engine whose rows never stop on eos: every row makes exactly the tokens
+    asked for, as HF's ``min_new_tokens``."""
     from materl.engines.transformers_engine import TransformersEngine
 
+    engine = TransformersEngine(model, tokenizer, max_batch=batch, **options)
+    engine.eos_ids = frozenset()
+    return engine
+
+
+def decode_rows(report: Report, shape: str, batch: int, new_tokens: int, device, tokenizer,
+                runs: tuple[str, ...]) -> None:
+    """tok/s of each of ``runs`` (HF rows and ``ENGINE_RUNS`` names) on one model; one warm-up
+    call each (compiles and captures), then one timed call."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = random_model(shape, device, dtype)
     prompts = chat_prompts(tokenizer, batch)
-    engine = TransformersEngine(model, tokenizer, max_batch=batch)
-    engine.eos_ids = frozenset()  # every row makes exactly new_tokens tokens, as HF's min_new_tokens
-    runs = {"HF generate eager": lambda: hf_generate(model, prompts, new_tokens, static=False),
-            "HF static cache + compile": lambda: hf_generate(model, prompts, new_tokens, static=True),
-            "materl transformers engine": lambda: engine_generate(engine, prompts, new_tokens)}
+    hf = {"HF generate eager": lambda: hf_generate(model, prompts, new_tokens, static=False),
+          "HF static cache + compile": lambda: hf_generate(model, prompts, new_tokens, static=True)}
     results = {}
-    for name, fn in runs.items():
-        def one(name=name, fn=fn):
-            fn()  # warm-up (and compile)
+    for name in runs:
+        def one(name=name):
+            if name in hf:
+                fn = hf[name]
+            else:
+                engine = quiet_engine(model, tokenizer, batch, **ENGINE_RUNS[name])
+                fn = lambda: engine_generate(engine, prompts, new_tokens)  # noqa: E731
+            fn()  # warm-up (and compile / capture)
             results[name] = fn()
             report.add("decode", f"{shape} batch {batch} x {new_tokens}: {name}", f"{results[name]:,.0f} tok/s")
-        report.guarded("decode", f"{shape} batch {batch}: {name}", one, needs_s=10 if device.type == "cpu" else 45)
+        report.guarded("decode", f"{shape} batch {batch}: {name}", one,
+                       needs_s=10 if device.type == "cpu" else 90 if "compile" in name else 30)
     base = results.get("HF static cache + compile")
-    if base and "materl transformers engine" in results:
-        report.add("decode", f"{shape} batch {batch}: materl / HF static+compile",
-                   f"{results['materl transformers engine'] / base:.2f}x")
-    del model, engine
+    for name in runs:
+        if base and name in ENGINE_RUNS and name in results:
+            report.add("decode", f"{shape} batch {batch}: {name} / HF static+compile", f"{results[name] / base:.2f}x")
+    del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+# -- 2b. an agentic rollout: many multi-turn episodes, a tool between turns ------------------------
+
+def agentic_rows(report: Report, shape: str, device, tokenizer, *, episodes: int, turns: int, new_tokens: int,
+                 tool_s: float) -> None:
+    """``episodes`` concurrent episodes of ``turns`` model turns (``new_tokens`` each, eos off),
+    a scripted tool of ``tool_s`` latency between turns whose result (rendered as a chat ``tool``
+    message) extends the episode; the device loop vs the current loop on one model: rollout wall,
+    sampled tok/s, and per later turn the prompt tokens prefilled vs the tokens new since the
+    previous turn (tool result + template; the last sampled token is fed too)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = random_model(shape, device, dtype)
+    walls = {}
+    for name in ("materl device loop (graph)", "materl current loop"):
+        def one(name=name):
+            engine = quiet_engine(model, tokenizer, episodes, **ENGINE_RUNS[name])
+            asyncio.run(agentic_rollout(engine, tokenizer, episodes, turns, new_tokens, tool_s))  # warm-up
+            engine.sync_weights()  # a new step: kept caches are stale
+            wall, tokens, later = asyncio.run(agentic_rollout(engine, tokenizer, episodes, turns, new_tokens, tool_s))
+            walls[name] = wall
+            prefilled, new = sum(p for p, _ in later), sum(n for _, n in later)
+            report.add("agentic", f"{shape} {episodes} x {turns} turns, {tool_s * 1000:.0f} ms tool: {name}",
+                       f"{wall:.2f} s rollout, {tokens / wall:,.0f} tok/s; later turns prefilled {prefilled} "
+                       f"tokens for {new} new ({prefilled / max(1, new):.3f}x)" if prefilled else
+                       f"{wall:.2f} s rollout, {tokens / wall:,.0f} tok/s")
+        report.guarded("agentic", f"{shape}: {name}", one, needs_s=10 if device.type == "cpu" else 45)
+    if len(walls) == 2:
+        report.add("agentic", f"{shape}: current / device loop rollout wall",
+                   f"{walls['materl current loop'] / walls['materl device loop (graph)']:.2f}x")
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+async def agentic_rollout(engine, tokenizer, episodes: int, turns: int, new_tokens: int, tool_s: float):
+    """(wall s, sampled tokens, [(prefilled, new) per later turn]) of one scripted rollout."""
+    from materl.engines.base import SamplingParams
+
+    prompts = chat_prompts(tokenizer, episodes)
+    later: list[tuple[int, int]] = []
+
+    async def episode(i: int) -> int:
+        ids, made, new = list(prompts[i]), 0, 0
+        for turn in range(turns):
+            gen = await engine.generate(ids, SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                                            seed=1000 * i + turn))
+            made += len(gen.token_ids)
+            if turn:
+                later.append((gen.metadata.get("prefilled", 0), new))
+            if turn == turns - 1:
+                return made
+            await asyncio.sleep(tool_s)  # the scripted tool
+            result = tool_message(tokenizer, f"result {i}.{turn}: {(i + 1) * (turn + 7)}")
+            ids = ids + gen.token_ids + result
+            new = len(result) + 1
+        return made
+
+    sync(next(engine.model.parameters()).device)
+    t0 = time.perf_counter()
+    made = await asyncio.gather(*(episode(i) for i in range(episodes)))
+    sync(next(engine.model.parameters()).device)
+    return time.perf_counter() - t0, sum(made), later
+
+
+def tool_message(tokenizer, text: str) -> list[int]:
+    """A tool result as the chat template renders it after an assistant turn, then the next
+    assistant header."""
+    out = tokenizer.apply_chat_template([{"role": "tool", "content": text}], add_generation_prompt=True, tokenize=True)
+    return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
 
 
 # -- 3. GRPO step vs TRL ---------------------------------------------------------------------------
@@ -212,7 +326,8 @@ def length_reward(completions, **kw) -> list[float]:
 
 
 def materl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int, **compile_kw):
-    """(seconds per step after a warm-up step, last metrics, compiled, prompts) of materl's GRPO."""
+    """(median seconds per step after the first, last metrics, compiled, first step's seconds, which
+    include compiling and capturing) of materl's GRPO."""
     import materl as ml
     from materl.recipes import grpo
 
@@ -231,10 +346,10 @@ def materl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int, **co
         metrics = compiled.run([PROMPTS[(i * n + k) % len(PROMPTS)] for k in range(n)])
         sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:] or times), metrics, compiled
+    return statistics.median(times[1:] or times), metrics, compiled, times[0]
 
 
-def trl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int) -> float:
+def trl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int, *, bf16: bool = False) -> float:
     import tempfile
 
     from datasets import Dataset
@@ -258,7 +373,7 @@ def trl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int) -> floa
         num_generations=GROUP, max_completion_length=new_tokens, learning_rate=LR, beta=0.0, loss_type="grpo",
         max_steps=steps + 1, num_train_epochs=1, gradient_accumulation_steps=1, lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, temperature=1.0, save_strategy="no",
-        logging_strategy="no", report_to=[], use_cpu=device.type == "cpu", bf16=False, fp16=False, seed=SEED,
+        logging_strategy="no", report_to=[], use_cpu=device.type == "cpu", bf16=bf16, fp16=False, seed=SEED,
         dataloader_num_workers=0, disable_tqdm=True, gradient_checkpointing=False)
     model = random_model(shape, device, torch.float32).train()
     GRPOTrainer(model=model, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer,
@@ -267,30 +382,38 @@ def trl_grpo(shape: str, device, tokenizer, new_tokens: int, steps: int) -> floa
 
 
 def grpo_rows(report: Report, shape: str, device, tokenizer, new_tokens: int, steps: int, *,
-              skip_trl: bool = False) -> None:
+              skip_trl: bool = False, fp32: bool = True, trl_bf16: bool = False) -> None:
+    """materl's GRPO step (default dtype, and fp32 if ``fp32``) vs TRL's (fp32, or bf16 with
+    ``trl_bf16``): median seconds per step after the first, the first step's seconds beside."""
     results = {}
     default = "materl bf16 autocast" if device.type == "cuda" else "materl default dtype"
-    for label, kw in ((default, {}), ("materl fp32", {"compute_dtype": "float32"})):
+    variants = ((default, {}), ("materl fp32", {"compute_dtype": "float32"}))[: 2 if fp32 else 1]
+    for label, kw in variants:
         def one(label=label, kw=kw):
-            s, metrics, compiled = materl_grpo(shape, device, tokenizer, new_tokens, steps, **kw)
+            s, metrics, compiled, first = materl_grpo(shape, device, tokenizer, new_tokens, steps, **kw)
             compiled.close()
             results[label] = s
             mismatch = metrics.get("mismatch/mean_abs")
-            report.add("grpo", f"{shape}: {label}", f"{s:.3f} s/step (engine-vs-learner abs delta logp: mean "
-                       f"{mismatch:.2e}, max {metrics.get('mismatch/max_abs', float('nan')):.2e})"
-                       if mismatch is not None else f"{s:.3f} s/step")
-        report.guarded("grpo", f"{shape}: {label}", one, needs_s=10 if device.type == "cpu" else 45)
+            stages = ", ".join(f"{k[5:]} {metrics[k]:.3f} s" for k in sorted(metrics)
+                               if k.startswith("time/stage/") or k == "time/rollout")
+            report.add("grpo", f"{shape}: {label}", f"{s:.3f} s/step, first step {first:.1f} s; last step: {stages}" + (
+                f" (engine-vs-learner abs delta logp: mean {mismatch:.2e}, max "
+                f"{metrics.get('mismatch/max_abs', float('nan')):.2e})" if mismatch is not None else ""))
+        report.guarded("grpo", f"{shape}: {label}", one, needs_s=10 if device.type == "cpu" else 60)
+
+    trl_label = f"TRL {'bf16' if trl_bf16 else 'fp32'}"
 
     def trl():
         import trl as trl_module
 
-        results["TRL"] = trl_grpo(shape, device, tokenizer, new_tokens, steps)
-        report.add("grpo", f"{shape}: TRL {trl_module.__version__} GRPOTrainer fp32", f"{results['TRL']:.3f} s/step")
+        results[trl_label] = trl_grpo(shape, device, tokenizer, new_tokens, steps, bf16=trl_bf16)
+        report.add("grpo", f"{shape}: TRL {trl_module.__version__} GRPOTrainer {trl_label[4:]}",
+                   f"{results[trl_label]:.3f} s/step")
     if not skip_trl:
-        report.guarded("grpo", f"{shape}: TRL GRPOTrainer", trl, needs_s=10 if device.type == "cpu" else 45)
-    for label in (default, "materl fp32"):
-        if label in results and "TRL" in results:
-            report.add("grpo", f"{shape}: TRL / {label}", f"{results['TRL'] / results[label]:.2f}x")
+        report.guarded("grpo", f"{shape}: TRL GRPOTrainer", trl, needs_s=10 if device.type == "cpu" else 60)
+    for label, _ in variants:
+        if label in results and trl_label in results:
+            report.add("grpo", f"{shape}: {trl_label} / {label}", f"{results[trl_label] / results[label]:.2f}x")
 
 
 # -- 4. learner: CUDA graphs vs eager --------------------------------------------------------------
@@ -301,9 +424,9 @@ def learner_rows(report: Report, shape: str, device, tokenizer, new_tokens: int,
     if device.type != "cuda":
         report.add("learner", f"{shape}: cuda_graphs=True", "skipped: needs CUDA (compile refuses it on a CPU)")
         return
-    _, _, eager = materl_grpo(shape, device, tokenizer, new_tokens, 0)
+    eager = materl_grpo(shape, device, tokenizer, new_tokens, 0)[2]
     episodes = eager.last_episodes
-    _, _, graphed = materl_grpo(shape, device, tokenizer, new_tokens, 0, cuda_graphs=True)
+    graphed = materl_grpo(shape, device, tokenizer, new_tokens, 0, cuda_graphs=True)[2]
     out = {}
     for label, compiled in (("eager", eager), ("cuda graphs", graphed)):
         times, losses = [], []
@@ -321,12 +444,13 @@ def learner_rows(report: Report, shape: str, device, tokenizer, new_tokens: int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, no tests: a smoke run for CI")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: a smoke run for CI")
     ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="no piece starts past this (a started one finishes: keep ~60 s of margin)")
+    ap.add_argument("--budget-s", type=float, default=450.0,
+                    help="no piece starts past this (a started one finishes: keep ~90 s of margin)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "decode", "grpo", "trl", "learner"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["tests", "decode", "agentic", "grpo", "trl", "learner", "compile"])
     args = ap.parse_args(argv)
     os.environ.setdefault("MODULAR_TELEMETRY_ENABLED", "0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
@@ -335,27 +459,39 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     report.add("env", "device", f"{device} ({gpu}), torch {torch.__version__}, transformers {transformers.__version__}")
-    shapes = ["tiny"] if args.dry_run else ["1.4b", "135m"]
-    batches, new_tokens = ([2], 4) if args.dry_run else ([8, 64], 128)
-    tokenizer = tokenizer_for(SHAPES[shapes[0]]["vocab_size"])
-    if "tests" not in args.skip and not args.dry_run:
-        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=100.0))
-    def decode(batch_sizes):
-        for batch in batch_sizes if "decode" not in args.skip else ():
-            for shape in shapes:
-                report.guarded("decode", f"{shape} batch {batch}",
-                               lambda s=shape, b=batch: decode_rows(report, s, b, new_tokens, device, tokenizer))
+    dry = args.dry_run
+    big, small = ("tiny", "tiny") if dry else ("1.4b", "135m")
+    new_tokens = 4 if dry else 128
+    tokenizer = tokenizer_for(SHAPES[big]["vocab_size"])
+    skip = set(args.skip)
+    runs = ("HF static cache + compile", "materl current loop", "materl device loop (graph)")
 
-    decode(batches[:1])  # batch 8 first: the goal's row; batch 64 after the steps, as the budget allows
-    step_shape = shapes[-1]
-    if "grpo" not in args.skip:
-        report.guarded("grpo", step_shape, lambda: grpo_rows(report, step_shape, device, tokenizer, new_tokens,
-                                                             steps=1 if args.dry_run else 3,
-                                                             skip_trl="trl" in args.skip))
-    if "learner" not in args.skip:
-        report.guarded("learner", step_shape, lambda: learner_rows(report, step_shape, device, tokenizer, new_tokens,
-                                                                   repeats=1 if args.dry_run else 3), needs_s=60)
-    decode(batches[1:])
+    def decode(shape, batch, names=runs):
+        if "decode" not in skip:
+            report.guarded("decode", f"{shape} batch {batch}", lambda: decode_rows(
+                report, shape, batch, new_tokens, device, tokenizer, names))
+
+    # in order of what the issue's goals need first; the budget skips the tail
+    decode(big, 2 if dry else 8, (("HF generate eager",) if dry else ()) + runs)
+    if "agentic" not in skip:
+        report.guarded("agentic", big, lambda: agentic_rows(
+            report, big, device, tokenizer, episodes=4 if dry else 64, turns=3, new_tokens=4 if dry else 64,
+            tool_s=0.01 if dry else 0.05))
+    for shape in (big,) if dry else (big, small):
+        decode(shape, 4 if dry else 64)
+    if "tests" not in skip and not dry:
+        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=110.0))
+    if "grpo" not in skip:
+        report.guarded("grpo", big, lambda: grpo_rows(report, big, device, tokenizer, new_tokens, steps=1 if dry else 2,
+                                                      skip_trl="trl" in skip, fp32=False, trl_bf16=not dry))
+        if not dry:
+            report.guarded("grpo", small, lambda: grpo_rows(report, small, device, tokenizer, new_tokens, steps=3,
+                                                            skip_trl="trl" in skip))
+    if "compile" not in skip:
+        decode(big, 2 if dry else 8, ("materl device loop (compile)",))
+    if "learner" not in skip:
+        report.guarded("learner", small, lambda: learner_rows(report, small, device, tokenizer, new_tokens,
+                                                              repeats=1 if dry else 3), needs_s=60)
     print("\n## materl GPU check\n")
     print(report.summary())
     print(f"\n({report.elapsed():.0f} s)")

@@ -1,6 +1,7 @@
 """What a step reports about its rollouts: episode counts, reward means and spreads per reward
 node and per reward term (and per-episode ``agent/`` figures), trained tokens, tool calls and
-their success (0 and 0 on a tool recipe's step without a call) and per-node times."""
+their success (0 and 0 on a tool recipe's step without a call), prompt tokens the engine prefilled
+and reused from kept caches (where it reports them) and per-node times."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     if results or plan.calls_tools():  # every step of a tool recipe has both: 0 and 0 without a call
         m["tool_calls"] = len(results) / max(1, len(rollouts))
         m["tool_success"] = sum(not x.is_error for x in results) / len(results) if results else 0.0
+    turns = [s.metadata for r in rollouts for s in r.steps if s.kind == "generate" and "prefilled" in s.metadata]
+    if turns:  # the engine keeps KV across turns (the device loop): what each turn computed vs reused
+        m["engine/prefilled_tokens"] = float(sum(t["prefilled"] for t in turns))
+        m["engine/reused_tokens"] = float(sum(t["reused"] for t in turns))
     for e in episodes:
         for k, v in e.timings.items():
             m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

@@ -21,25 +21,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, make_episodes, split
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure
 from materl.compiler.spec import spec_of
+from materl.engines.arrivals import settle
 from materl.errors import StepTimeoutError
-
-SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
-
-
-async def settle(count: Callable[[], int]) -> None:
-    """Yield until a whole pass of the event loop's ready tasks changes ``count()`` no more."""
-    seen = -1
-    while count() != seen:
-        seen = count()
-        for _ in range(SETTLE_PASSES):
-            await anyio.lowlevel.checkpoint()
-
 
 async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
     """Run group/batch node ``name`` over ``eps``; one validated value per episode."""
