@@ -483,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=110.0))
     if "grpo" not in skip:
         report.guarded("grpo", big, lambda: grpo_rows(report, big, device, tokenizer, new_tokens, steps=1 if dry else 2,
-                                                      skip_trl="trl" in skip, fp32=False, trl_bf16=not dry))
+                                                      skip_trl="trl" in skip, fp32=dry, trl_bf16=not dry))
         if not dry:
             report.guarded("grpo", small, lambda: grpo_rows(report, small, device, tokenizer, new_tokens, steps=3,
                                                             skip_trl="trl" in skip))

@@ -180,7 +180,9 @@ class DeviceLoop:
         self._admit(version)
         if not self.seqs:
             return []
-        steps = self.options.read_every
+        # no more steps than the longest-running row can still use (a length stop is known ahead)
+        steps = min(self.options.read_every,
+                    max(s.request.params.max_new_tokens - len(s.ids) for s in self.seqs.values()))
         rows = min(self.cache.rows, bucket_rows(max(self.seqs) + 1))
         longest = max(len(s.request.prompt_ids) + len(s.ids) for s in self.seqs.values())
         length = min(self.cache.length, bucket_length(longest + steps))
