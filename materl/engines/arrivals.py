@@ -27,6 +27,7 @@ import anyio
 import anyio.lowlevel
 
 from materl.engines.base import Generation, SamplingParams
+from materl.engines.sampling import check_request, request_seed
 from materl.errors import EngineError
 
 SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
@@ -58,6 +59,12 @@ class Request:
     def done(self) -> bool:
         return self.result is not None or self.error is not None
 
+    def empty(self) -> Generation | None:
+        """The result of a request for no new tokens (nothing to decode), else None."""
+        if self.params.max_new_tokens:
+            return None
+        return Generation([], [], "length", prompt_len=len(self.prompt_ids), metadata={"text": ""})
+
 
 class Arrivals:
     """The waiting requests of one engine and who drives it (module docstring)."""
@@ -66,13 +73,16 @@ class Arrivals:
         self.waiting: list[Request] = []
         self.driver: Request | None = None
 
-    def new(self, prompt_ids: list[int], params: SamplingParams, seed: int) -> Request:
-        """A request on the running event loop; forgets those of an event loop that is gone."""
+    def new(self, prompt_ids, params: SamplingParams | None) -> Request:
+        """A checked request (``check_request``; default params; its seed, ``request_seed``) on
+        the running event loop; forgets the requests of an event loop that is gone."""
+        params = params or SamplingParams()
+        prompt_ids = check_request(prompt_ids, params)
         token = anyio.lowlevel.current_token()
         if self.driver is not None and self.driver.token != token:
             self.driver = None
         self.waiting = [r for r in self.waiting if r.token == token]
-        return Request(prompt_ids, params, seed, token)
+        return Request(prompt_ids, params, request_seed(params), token)
 
     async def serve(self, req: Request, drive: Callable[[Request], Awaitable[None]],
                     others: Callable[[], list[Request]] = list) -> Generation:
@@ -100,6 +110,13 @@ class Arrivals:
         if req.error is not None:
             raise EngineError(f"generation failed for a batch containing this request: {req.error!r}") from req.error
         return req.result
+
+    async def tick(self, window_s: float = 0.0) -> None:
+        """Wait ``window_s`` (if > 0: stragglers close in time join, at the price of
+        clock-dependent batches), then until a whole loop pass brings no new request."""
+        if window_s > 0:
+            await anyio.sleep(window_s)
+        await settle(lambda: len(self.waiting))
 
     def take(self, n: int) -> list[Request]:
         """The ``n`` oldest waiting requests, removed from the queue."""

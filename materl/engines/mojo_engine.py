@@ -57,7 +57,7 @@ from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.mojo_forward import MojoForward, Row, new_cache
 from materl.engines.mojo_model import ModelTable
 from materl.engines.mojo_prefix import PrefixPool, common_prefix
-from materl.engines.sampling import StopRule, check_request, counter_uniforms, eos_ids, request_seed, seed_words
+from materl.engines.sampling import StopRule, counter_uniforms, eos_ids, seed_words
 from materl.errors import ConfigError, EngineError, KernelError
 from materl.kernels import loader
 
@@ -188,11 +188,9 @@ class MojoEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
-        params = params or SamplingParams()
-        prompt_ids = check_request(prompt_ids, params)
-        if params.max_new_tokens == 0:
-            return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
-        req = self.arrivals.new(prompt_ids, params, request_seed(params))
+        req = self.arrivals.new(prompt_ids, params)
+        if req.empty() is not None:
+            return req.empty()
         for seq in self._running:  # requests of an event loop that is gone
             if seq.request.token != req.token:
                 seq.request.cancelled = True
@@ -225,7 +223,7 @@ class MojoEngine:
         """Run steps until ``req`` has its result."""
         while not req.done:
             if not self._running:  # idle: let a burst of requests (a GRPO group) arrive together
-                await anyio.sleep(self.batch_window_s)
+                await self.arrivals.tick(self.batch_window_s)
             admitted = self.arrivals.take(self.max_batch - len(self._running))
             with anyio.CancelScope(shield=True):  # the step finishes anyway; deliver its results
                 try:

@@ -14,8 +14,8 @@ depends on timing.) The decode runs in materl's compute thread (``materl.compute
 thread as the learner, so torch keeps one OpenMP pool) and the event loop keeps running tool
 calls and other episodes meanwhile.
 
-Reproducibility. A run is bit-identical when its batches are: per-row sampling uses each
-request's own seeded generator, but a row's arithmetic is NOT independent of its batch on torch's
+Reproducibility. A run is bit-identical when its batches are: per-row sampling draws from a
+counter-based generator keyed by the request's seed and the token's index, but a row's arithmetic is NOT independent of its batch on torch's
 CPU kernels (oneDNN picks a different GEMM kernel by row count; left padding changes attention's
 reduction length; measured on SmolLM2: |delta log-prob| up to 2e-5, tokens equal). So rollouts
 whose requests arrive in an order fixed by the program (single-turn generation, in-process tools
@@ -27,9 +27,15 @@ The decode loop is written here rather than calling ``model.generate``: left pad
 positions ``cumsum(mask) - 1``, a ``DynamicCache`` that appends in place (``kv_cache.py``),
 identical prompts (a GRPO group) prefilled once, per-row stop rules (eos ids,
 ``stop_token_ids``, stop strings on the decoded tail, ``max_new_tokens``), finished rows dropped
-from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
-seeded request samples the same tokens whatever shares its batch. HF ``generate`` has one
-global generator and one set of sampling settings per call, which is why it is not used.
+from the batch and cache, and per-row sampling with uniforms keyed by each request's seed and
+token index (``sampling.counter_uniforms``) so a seeded request samples the same tokens whatever
+shares its batch. HF ``generate`` has one global generator and one set of sampling settings per
+call, which is why it is not used.
+
+The device loop (``device_loop=True``, the default for Llama/Qwen2 models on CUDA;
+``device_loop.py``) replaces this loop: sampling and stop checks inside a captured step,
+continuous batching, and each episode's KV cache kept across its turns. Its batches are not
+coalesced once but re-formed every ``read_every`` steps.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from torch import Tensor
 
 from materl import compute
 from materl.device import autocast, compute_dtype
-from materl.engines.arrivals import Arrivals, Request, finish, settle
+from materl.engines.arrivals import Arrivals, Request, finish
 from materl.engines import device_forward
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.device_loop import DeviceLoop, LoopOptions
@@ -54,9 +60,9 @@ from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
 from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
-    StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
+    StopRule, eos_ids, sample_rows, sample_tokens, top_k_top_p_filter,
 )
-from materl.errors import ConfigError, EngineError
+from materl.errors import ConfigError
 
 
 @dataclass
@@ -161,11 +167,9 @@ class TransformersEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
-        params = params or SamplingParams()
-        prompt_ids = check_request(prompt_ids, params)
-        if params.max_new_tokens == 0:
-            return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
-        req = self.arrivals.new(prompt_ids, params, request_seed(params))
+        req = self.arrivals.new(prompt_ids, params)
+        if req.empty() is not None:
+            return req.empty()
         if self.loop is None:
             return await self.arrivals.serve(req, self._drive_batches)
         return await self.arrivals.serve(req, self._drive_rounds, self._loop_requests)
@@ -192,9 +196,7 @@ class TransformersEngine:
     async def _drive_batches(self, req: Request) -> None:
         """Run batches (oldest requests first) until ``req`` has its result."""
         while not req.done:
-            if self.batch_window_s > 0:
-                await anyio.sleep(self.batch_window_s)
-            await settle(lambda: len(self.arrivals.waiting))
+            await self.arrivals.tick(self.batch_window_s)
             batch = self.arrivals.take(self.max_batch)
             with anyio.CancelScope(shield=True):  # the thread finishes anyway; deliver results
                 try:
@@ -208,9 +210,7 @@ class TransformersEngine:
         """Run device-loop rounds until ``req`` has its result; newcomers join between rounds."""
         while not req.done:
             if not self.loop.busy:  # idle: let a burst of requests (a GRPO group) arrive together
-                if self.batch_window_s > 0:
-                    await anyio.sleep(self.batch_window_s)
-                await settle(lambda: len(self.arrivals.waiting))
+                await self.arrivals.tick(self.batch_window_s)
             admitted = self.arrivals.take(len(self.arrivals.waiting))
             with anyio.CancelScope(shield=True):  # the round finishes anyway; deliver its results
                 try:

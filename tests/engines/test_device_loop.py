@@ -195,3 +195,30 @@ def test_step_metrics_count_prefilled_and_reused_prompt_tokens():
     # with 2 groups, reused >= 3/4 of all prompt tokens - 6 (more where the two prompts share a prefix)
     total = stats.prefilled_tokens + stats.reused_tokens
     assert stats.reused_tokens >= 3 * total / 4 - 6
+
+
+@pytest.mark.gpu
+def test_captured_device_loop_on_cuda_equals_the_dynamic_loop_in_fp32():
+    """Raw CUDA graphs (the default); gpu_check's decode rows run capture="compile" too."""
+    agent = ml.Agent("tiny-random", engine="transformers", device="cuda", compute_dtype="float32")
+    model, tok = agent.model, agent.tokenizer
+    prompts, params = _requests(tok)
+    want = _generate(TransformersEngine(model, tok, device_loop=False, static_cache=False, dtype=torch.float32),
+                     prompts, params)
+    engine = TransformersEngine(model, tok, dtype=torch.float32)
+    assert engine.loop is not None  # the default on CUDA
+    for _ in range(2):  # the second call replays the recorded graphs over kept slots
+        _same(_generate(engine, prompts, params), want, atol=1e-4)
+    assert engine.loop.graphs  # steps were recorded, not run eagerly
+
+
+@pytest.mark.gpu
+def test_device_loop_keeps_an_episode_cache_on_cuda_in_bf16():
+    agent = ml.Agent("tiny-random", engine="transformers", device="cuda")
+    engine, tok = agent.engine, agent.tokenizer
+    first_prompt = tok.encode("turn one")
+    params = SamplingParams(max_new_tokens=6, seed=11)
+    first = _generate(engine, [first_prompt], [params])[0]
+    second = _generate(engine, [first_prompt + first.token_ids + tok.encode(" ok")], [params])[0]
+    assert second.metadata["reused"] == len(first_prompt) + len(first.token_ids) - 1
+    assert 0 < len(second.token_ids) <= 6 and all(lp <= 0 for lp in second.logprobs)
