@@ -1,23 +1,33 @@
 """The one prepared GPU check (issue #28): materl's GPU tests and GPU benchmarks, one summary.
 
-    python benchmarks/gpu_check.py                    # on the GPU machine: at most ~8 minutes
+    python benchmarks/gpu_check.py                    # on the GPU machine: at most ~9 minutes
     python benchmarks/gpu_check.py --dry-run          # CPU smoke run, tiny shapes (CI runs this)
 
-Sections, each timed against one overall budget (``--budget-s``, default 420 s) and each robust
-to a missing optional piece (TRL absent, a compile failing): its rows then say why, the rest runs.
+Pieces, in this order (what the issue's goals need first), each timed against one overall budget
+(``--budget-s``, default 470 s: no piece starts past it) and each robust to a missing optional
+piece (TRL absent, a compile failing): its rows then say why, the rest runs.
 
-1. tests: ``pytest -m gpu`` over the test files that hold gpu tests (captured learner step vs
-   eager, engine and learner on CUDA in bf16, checkpoints across devices).
-2. decode tok/s, Llama-shaped models from configs with random weights (SmolLM2-135M shape and the
-   1.4B shape: hidden 1536, 28 layers, GQA 12/2, MLP 8960; vocabulary 49152), bf16, 128 new tokens,
-   temperature 1, every row exactly N tokens (eos off), batch 8 and 64: HF ``generate`` eager, HF
-   static cache (+ torch.compile, which ``generate`` turns on for a static cache on CUDA), and
-   materl's transformers engine (B concurrent requests). One warm-up call each, then timed.
-3. a GRPO step, 135M shape: materl (``ml.compile(grpo)``, fp32 weights, bf16 autocast and fp32)
-   vs TRL 1.16 ``GRPOTrainer`` (fp32) with ``benchmarks/vs_trl.py``'s settings (8 completions =
-   2 prompts x 4, length reward, beta 0, AdamW lr 1e-6, clip 1.0) at 128 new tokens; medians
-   after one warm-up step. The engine-vs-learner log-prob mismatch (bf16) is reported here.
-4. the learner step with ``cuda_graphs=True`` vs eager on the same episodes (135M shape).
+1. decode tok/s, Llama-shaped models from configs with random weights (the 1.4B shape: hidden
+   1536, 28 layers, GQA 12/2, MLP 8960; the SmolLM2-135M shape; vocabulary 49152), bf16, 128 new
+   tokens, temperature 1, every row exactly N tokens (eos off), batch 8: HF static cache
+   (+ torch.compile, which ``generate`` turns on for a static cache on CUDA), materl's current
+   loop (``device_loop=False``) and its device loop (raw CUDA graphs). One warm-up call each
+   (compiles, captures), then timed.
+2. an agentic rollout, 1.4B shape: 64 concurrent episodes of 3 turns (64 tokens each) with a
+   scripted tool of 50 ms between turns whose result extends the episode: rollout wall and
+   tok/s, device loop vs current loop, and the prompt tokens each later turn prefilled vs the
+   tokens new since the previous turn.
+3. a GRPO step, 1.4B shape: materl (``ml.compile(grpo)``, fp32 weights, bf16) vs TRL 1.16
+   ``GRPOTrainer`` (bf16) with ``benchmarks/vs_trl.py``'s settings (8 completions = 2 prompts x
+   4, length reward, beta 0, AdamW lr 1e-6, clip 1.0) at 128 new tokens; medians after the
+   first step, whose time (compiling, capturing) is reported beside; stage times of the last step.
+4. tests: ``pytest -m gpu`` over the test files that hold gpu tests; each failure's assertion
+   and traceback tail become rows (and the log has the whole traceback).
+5. decode at batch 64 on both shapes: HF static cache + compile vs the device loop.
+6. the device loop with ``capture="compile"`` (1.4B, batch 8).
+7. a GRPO step, 135M shape: materl bf16 and fp32 vs TRL fp32 (the bf16-vs-fp32 question:
+   stage times per row), with the engine-vs-learner log-prob mismatch.
+8. the learner step with ``cuda_graphs=True`` vs eager on the same episodes (135M shape).
 
 What the GPU machine needs beyond what it has (torch, transformers, triton, peft, accelerate,
 numpy) travels as wheels, materl's own included (docs/gpu.md, "Bringing what the GPU machine
@@ -122,6 +132,14 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
                                             add_generation_prompt=True, tokenize=True)
         out.append([int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)])
     return out
+
+
+def free_memory(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def sync(device: torch.device) -> None:
@@ -246,76 +264,6 @@ def decode_rows(report: Report, shape: str, batch: int, new_tokens: int, device,
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-# -- 2b. an agentic rollout: many multi-turn episodes, a tool between turns ------------------------
-
-def agentic_rows(report: Report, shape: str, device, tokenizer, *, episodes: int, turns: int, new_tokens: int,
-                 tool_s: float) -> None:
-    """``episodes`` concurrent episodes of ``turns`` model turns (``new_tokens`` each, eos off),
-    a scripted tool of ``tool_s`` latency between turns whose result (rendered as a chat ``tool``
-    message) extends the episode; the device loop vs the current loop on one model: rollout wall,
-    sampled tok/s, and per later turn the prompt tokens prefilled vs the tokens new since the
-    previous turn (tool result + template; the last sampled token is fed too)."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = random_model(shape, device, dtype)
-    walls = {}
-    for name in ("materl device loop (graph)", "materl current loop"):
-        def one(name=name):
-            engine = quiet_engine(model, tokenizer, episodes, **ENGINE_RUNS[name])
-            asyncio.run(agentic_rollout(engine, tokenizer, episodes, turns, new_tokens, tool_s))  # warm-up
-            engine.sync_weights()  # a new step: kept caches are stale
-            wall, tokens, later = asyncio.run(agentic_rollout(engine, tokenizer, episodes, turns, new_tokens, tool_s))
-            walls[name] = wall
-            prefilled, new = sum(p for p, _ in later), sum(n for _, n in later)
-            report.add("agentic", f"{shape} {episodes} x {turns} turns, {tool_s * 1000:.0f} ms tool: {name}",
-                       f"{wall:.2f} s rollout, {tokens / wall:,.0f} tok/s; later turns prefilled {prefilled} "
-                       f"tokens for {new} new ({prefilled / max(1, new):.3f}x)" if prefilled else
-                       f"{wall:.2f} s rollout, {tokens / wall:,.0f} tok/s")
-        report.guarded("agentic", f"{shape}: {name}", one, needs_s=10 if device.type == "cpu" else 45)
-    if len(walls) == 2:
-        report.add("agentic", f"{shape}: current / device loop rollout wall",
-                   f"{walls['materl current loop'] / walls['materl device loop (graph)']:.2f}x")
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-async def agentic_rollout(engine, tokenizer, episodes: int, turns: int, new_tokens: int, tool_s: float):
-    """(wall s, sampled tokens, [(prefilled, new) per later turn]) of one scripted rollout."""
-    from materl.engines.base import SamplingParams
-
-    prompts = chat_prompts(tokenizer, episodes)
-    later: list[tuple[int, int]] = []
-
-    async def episode(i: int) -> int:
-        ids, made, new = list(prompts[i]), 0, 0
-        for turn in range(turns):
-            gen = await engine.generate(ids, SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
-                                                            seed=1000 * i + turn))
-            made += len(gen.token_ids)
-            if turn:
-                later.append((gen.metadata.get("prefilled", 0), new))
-            if turn == turns - 1:
-                return made
-            await asyncio.sleep(tool_s)  # the scripted tool
-            result = tool_message(tokenizer, f"result {i}.{turn}: {(i + 1) * (turn + 7)}")
-            ids = ids + gen.token_ids + result
-            new = len(result) + 1
-        return made
-
-    sync(next(engine.model.parameters()).device)
-    t0 = time.perf_counter()
-    made = await asyncio.gather(*(episode(i) for i in range(episodes)))
-    sync(next(engine.model.parameters()).device)
-    return time.perf_counter() - t0, sum(made), later
-
-
-def tool_message(tokenizer, text: str) -> list[int]:
-    """A tool result as the chat template renders it after an assistant turn, then the next
-    assistant header."""
-    out = tokenizer.apply_chat_template([{"role": "tool", "content": text}], add_generation_prompt=True, tokenize=True)
-    return [int(t) for t in (out["input_ids"] if hasattr(out, "keys") else out)]
 
 
 # -- 3. GRPO step vs TRL ---------------------------------------------------------------------------
@@ -446,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: a smoke run for CI")
     ap.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    ap.add_argument("--budget-s", type=float, default=450.0,
+    ap.add_argument("--budget-s", type=float, default=470.0,
                     help="no piece starts past this (a started one finishes: keep ~90 s of margin)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     ap.add_argument("--skip", nargs="*", default=[],
@@ -474,21 +422,26 @@ def main(argv: list[str] | None = None) -> int:
     # in order of what the issue's goals need first; the budget skips the tail
     decode(big, 2 if dry else 8, (("HF generate eager",) if dry else ()) + runs)
     if "agentic" not in skip:
+        from agentic_rollout import agentic_rows
+
         report.guarded("agentic", big, lambda: agentic_rows(
             report, big, device, tokenizer, episodes=4 if dry else 64, turns=3, new_tokens=4 if dry else 64,
             tool_s=0.01 if dry else 0.05))
-    for shape in (big,) if dry else (big, small):
-        decode(shape, 4 if dry else 64)
-    if "tests" not in skip and not dry:
-        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=110.0))
     if "grpo" not in skip:
         report.guarded("grpo", big, lambda: grpo_rows(report, big, device, tokenizer, new_tokens, steps=1 if dry else 2,
                                                       skip_trl="trl" in skip, fp32=dry, trl_bf16=not dry))
-        if not dry:
-            report.guarded("grpo", small, lambda: grpo_rows(report, small, device, tokenizer, new_tokens, steps=3,
-                                                            skip_trl="trl" in skip))
+        free_memory(device)
+    if "tests" not in skip and not dry:
+        report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=110.0))
+    wide = runs if dry else ("HF static cache + compile", "materl device loop (graph)")  # each compile ~40 s
+    for shape in (big,) if dry else (big, small):
+        decode(shape, 4 if dry else 64, wide)
     if "compile" not in skip:
         decode(big, 2 if dry else 8, ("materl device loop (compile)",))
+    if "grpo" not in skip and not dry:
+        report.guarded("grpo", small, lambda: grpo_rows(report, small, device, tokenizer, new_tokens, steps=3,
+                                                        skip_trl="trl" in skip))
+        free_memory(device)
     if "learner" not in skip:
         report.guarded("learner", small, lambda: learner_rows(report, small, device, tokenizer, new_tokens,
                                                               repeats=1 if dry else 3), needs_s=60)

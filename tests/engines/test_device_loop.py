@@ -133,6 +133,22 @@ def test_the_next_turn_prefills_only_its_new_tokens(tiny):
     assert _generate(off, [second_prompt], [params])[0].metadata["prefilled"] == len(second_prompt)
 
 
+def test_a_request_never_copies_a_cache_still_being_prefilled(tiny):
+    """Two next turns admitted together: the first takes over the parked cache and prefills the
+    rest of its prompt; the second shares that whole prompt but must not copy its columns
+    before they are computed (it prefills itself, and samples what the dynamic loop samples)."""
+    model, tok = tiny
+    engine = TransformersEngine(model, tok, device_loop=True)
+    prompt = tok.encode("turn one")
+    params = SamplingParams(max_new_tokens=5, seed=4)
+    first = _generate(engine, [prompt], [params])[0]
+    extended = prompt + first.token_ids + tok.encode(" result")
+    longer = extended + tok.encode(" and more")
+    got = _generate(engine, [extended, longer], [params, params])
+    assert got[0].metadata["reused"] == len(prompt) + len(first.token_ids) - 1
+    _same(got, _generate(TransformersEngine(model, tok), [extended, longer], [params, params]))
+
+
 def test_a_group_prompt_is_prefilled_once(tiny):
     model, tok = tiny
     engine = TransformersEngine(model, tok, device_loop=True)
