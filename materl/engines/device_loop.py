@@ -401,7 +401,8 @@ def _record(fn, state: _State, pool):
                 t.copy_(s)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: the event loop's thread may touch CUDA while this thread records
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         fn()
     for t, s in zip(state.tensors(), saved):  # recording runs nothing, but be exact
         t.copy_(s)
