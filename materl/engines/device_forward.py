@@ -108,9 +108,10 @@ def _rotary(attn: nn.Module):
 
 
 def _attend(attn: nn.Module, x_B_T_H: Tensor, rotary: tuple[Tensor, Tensor], keys: Tensor, values: Tensor,
-            write: tuple[Tensor, Tensor], read: Tensor | slice, mask_B_T_L: Tensor) -> Tensor:
+            write: tuple, read: Tensor | slice, bias_B1_GT_L: Tensor) -> Tensor:
     """One attention block: project, rotate, store this step's keys/values at ``write = (rows,
-    columns)`` (flattened over the rows' valid tokens), attend over ``keys[read, :, :L]``."""
+    columns, which tokens)``, attend over ``keys[read, :, :L]`` with the additive mask
+    ``bias`` (0 or -inf; its query axis is the G grouped heads times T tokens)."""
     B, T, _ = x_B_T_H.shape
     D = attn.head_dim
     q = attn.q_proj(x_B_T_H).view(B, T, -1, D).transpose(1, 2)
@@ -120,13 +121,10 @@ def _attend(attn: nn.Module, x_B_T_H: Tensor, rotary: tuple[Tensor, Tensor], key
     rows, cols, which = write
     keys[rows, :, cols] = k.transpose(1, 2).reshape(B * T, -1, D)[which].to(keys.dtype)
     values[rows, :, cols] = v.transpose(1, 2).reshape(B * T, -1, D)[which].to(values.dtype)
-    L = mask_B_T_L.shape[-1]
+    L = bias_B1_GT_L.shape[-1]
     K, V = keys[read, :, :L], values[read, :, :L]
-    kv = K.shape[1]
-    groups = q.shape[1] // kv
-    q = q.reshape(B, kv, groups * T, D).to(K.dtype)  # query head h = kv head h // G, as repeat_kv
-    mask = mask_B_T_L[:, None, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
-    out = F.scaled_dot_product_attention(q, K, V, attn_mask=mask, scale=attn.scaling)
+    q = q.reshape(B, K.shape[1], -1, D).to(K.dtype)  # query head h = kv head h // G, as repeat_kv
+    out = F.scaled_dot_product_attention(q, K, V, attn_mask=bias_B1_GT_L, scale=attn.scaling)
     out = out.reshape(B, -1, T, D).transpose(1, 2).reshape(B, T, -1)
     return attn.o_proj(out.to(x_B_T_H.dtype))
 
@@ -135,9 +133,14 @@ def _layers(lm: nn.Module, cache: SlotCache, ids_B_T: Tensor, pos_B_T: Tensor, w
     decoder = lm.get_decoder()
     h = decoder.embed_tokens(ids_B_T)
     rotary = decoder.rotary_emb(h, pos_B_T)
+    B, T, L = mask_B_T_L.shape
+    groups = lm.config.num_attention_heads // lm.config.num_key_value_heads
+    # once per forward, not per layer: the mask over the G query heads of a kv head, additive
+    bias = torch.zeros(B, 1, groups * T, L, dtype=cache.keys[0].dtype, device=h.device).masked_fill_(
+        ~mask_B_T_L[:, None, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L), float("-inf"))
     for i, layer in enumerate(decoder.layers):
         a = _attend(layer.self_attn, layer.input_layernorm(h), rotary, cache.keys[i], cache.values[i],
-                    write, read, mask_B_T_L)
+                    write, read, bias)
         h = h + a
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return decoder.norm(h)
