@@ -364,7 +364,7 @@ class MojoEngine:
         sampling = sampling + copies
         params = [s.request.params for s in sampling]
         lo, hi = seed_words([s.request.seed for s in sampling])
-        uniforms = counter_uniforms(lo, hi, torch.tensor([len(s.ids) for s in sampling])).tolist()
+        uniforms = counter_uniforms(lo, hi, torch.tensor([len(s.ids) for s in sampling], dtype=torch.long)).tolist()
         tokens, logprobs = self.forward.sample(self.table, rows, logit_rows, params, uniforms, mirrors=mirrors)
         for seq in copies:  # the prompt ran once; its cache is the same bits for every copy
             n = len(seq.prompt)
