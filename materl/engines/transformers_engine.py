@@ -15,8 +15,8 @@ thread as the learner, so torch keeps one OpenMP pool) and the event loop keeps 
 calls and other episodes meanwhile.
 
 Reproducibility. A run is bit-identical when its batches are: per-row sampling draws from a
-counter-based generator keyed by the request's seed and the token's index, but a row's arithmetic is NOT independent of its batch on torch's
-CPU kernels (oneDNN picks a different GEMM kernel by row count; left padding changes attention's
+counter-based generator keyed by the request's seed and the token's index, but a row's
+arithmetic is NOT independent of its batch on torch's CPU kernels (oneDNN picks a different GEMM kernel by row count; left padding changes attention's
 reduction length; measured on SmolLM2: |delta log-prob| up to 2e-5, tokens equal). So rollouts
 whose requests arrive in an order fixed by the program (single-turn generation, in-process tools
 and environments) reproduce exactly under any machine load; with tool servers whose answers can
@@ -65,6 +65,9 @@ from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p
 from materl.errors import ConfigError
 
 
+LOOP_DEFAULTS = dict(read_every=8, continuous=True, kv_reuse=True, prefill_tokens=8192, capture=None)
+
+
 @dataclass
 class EngineStats:
     """Counters for benchmarks: how well requests were coalesced and how fast decoding ran."""
@@ -106,8 +109,9 @@ class TransformersEngine:
 
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.0,
                  pack_weights: bool = True, dtype: torch.dtype | None = None, static_cache: bool | None = None,
-                 device_loop: bool | None = None, read_every: int = 8, continuous: bool = True,
-                 kv_reuse: bool = True, capture: str | None = None, prefill_tokens: int = 8192):
+                 device_loop: bool | None = None, read_every: int = LOOP_DEFAULTS["read_every"],
+                 continuous: bool = LOOP_DEFAULTS["continuous"], kv_reuse: bool = LOOP_DEFAULTS["kv_reuse"],
+                 capture: str | None = LOOP_DEFAULTS["capture"], prefill_tokens: int = LOOP_DEFAULTS["prefill_tokens"]):
         """``dtype``: what decoding computes in (default: bf16 when the model is on CUDA, through
         a bf16 copy of the weights; fp32 on a CPU, where nothing changes).
         ``device_loop``: decode with the device loop (``device_loop.py``: sampling and stop checks
@@ -127,9 +131,9 @@ class TransformersEngine:
         self.dtype = compute_dtype(device, dtype)
         static = device.type == "cuda" if static_cache is None else bool(static_cache)
         self.static = StaticDecoder(capture=device.type == "cuda") if static else None
-        self.loop = self._device_loop(model, device, device_loop, LoopOptions(
-            read_every=read_every, continuous=continuous, kv_reuse=kv_reuse, prefill_tokens=prefill_tokens,
-            max_rows=max_batch, capture=capture or ("graph" if device.type == "cuda" else "none")))
+        loop_options = dict(read_every=read_every, continuous=continuous, kv_reuse=kv_reuse,
+                            prefill_tokens=prefill_tokens, capture=capture)
+        self.loop = self._device_loop(model, device, device_loop, loop_options, max_batch)
         self._lowp, self._lowp_stale = None, False  # the decode copy in ``dtype`` (CUDA, bf16/fp16)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
@@ -145,14 +149,23 @@ class TransformersEngine:
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
 
-    def _device_loop(self, model, device: torch.device, wanted: bool | None, options: LoopOptions):
-        """The device loop if ``wanted`` (None: on CUDA where the model runs there)."""
+    def _device_loop(self, model, device: torch.device, wanted: bool | None, options: dict, max_batch: int):
+        """The device loop if ``wanted`` (None: on CUDA where the model runs there); its options
+        given without it are an error, not ignored."""
         fits = device_forward.supports(model)
         if wanted and not fits:
             raise ConfigError(f"device_loop=True needs a Llama/Qwen2-style decoder with full attention; "
                               f"got {type(causal_lm_of(model)).__name__}")
         use = (device.type == "cuda" and fits) if wanted is None else bool(wanted)
-        return DeviceLoop(self.tokenizer, frozenset(), options=options) if use else None
+        if not use:
+            given = sorted(k for k, v in options.items() if v != LOOP_DEFAULTS[k])
+            if given:
+                raise ConfigError(f"engine options {given} apply to the device loop, which is off here "
+                                  f"(device_loop={wanted!r}, device {device}); pass device_loop=True")
+            return None
+        capture = options["capture"] or ("graph" if device.type == "cuda" else "none")
+        return DeviceLoop(self.tokenizer, frozenset(),
+                          options=LoopOptions(**{**options, "capture": capture}, max_rows=max_batch))
 
 
     @classmethod

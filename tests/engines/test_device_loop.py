@@ -188,6 +188,11 @@ def test_a_finished_row_frees_its_slot_and_a_weight_change_drops_kept_caches(tin
     assert waiting.result.metadata["reused"] == 0
 
 
+def test_loop_options_without_the_loop_are_an_error(tiny):
+    with pytest.raises(ConfigError, match=r"\['kv_reuse', 'read_every'\].*device_loop=True"):
+        TransformersEngine(*tiny, read_every=4, kv_reuse=False)  # the loop is off on a CPU by default
+
+
 def test_bad_loop_options_name_the_value():
     with pytest.raises(ConfigError, match="'bogus'"):
         LoopOptions(capture="bogus")
