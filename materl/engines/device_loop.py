@@ -45,6 +45,7 @@ from torch import Tensor
 from materl.engines.arrivals import Request
 from materl.engines.base import Generation
 from materl.engines.device_forward import SlotCache, decode_forward, prefill_forward
+from materl.engines.mojo_prefix import common_prefix
 from materl.engines.sampling import StopRule, counter_uniforms, sample_tokens, seed_words
 from materl.engines.static_decode import bucket_length, bucket_rows
 from materl.errors import ConfigError
@@ -284,7 +285,7 @@ class DeviceLoop:
         holders = [(slot, toks) for slot, toks in self.parked.items()]
         holders += [(slot, seq.cached()) for slot, seq in self.seqs.items() if slot not in placed]
         for slot, toks in holders:
-            n = _common_prefix(toks, want)
+            n = common_prefix(toks, want)
             whole = slot in self.parked and n == len(toks)
             if n > best or (n == best and n > 0 and whole):
                 best, donor = n, slot
@@ -407,18 +408,3 @@ def _record(fn, state: _State, pool):
     for t, s in zip(state.tensors(), saved):  # recording runs nothing, but be exact
         t.copy_(s)
     return graph.replay
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix (a binary search over slice comparisons, which run
-    in C: 64 kept episodes x a few hundred tokens per admission stays cheap)."""
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while lo < hi:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
