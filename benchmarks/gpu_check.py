@@ -346,8 +346,7 @@ def grpo_rows(report: Report, shape: str, device, tokenizer, new_tokens: int, st
             compiled.close()
             results[label] = s
             mismatch = metrics.get("mismatch/mean_abs")
-            stages = ", ".join(f"{k[5:]} {metrics[k]:.3f} s" for k in sorted(metrics)
-                               if k.startswith("time/stage/") or k == "time/rollout")
+            stages = ", ".join(f"{k[11:]} {metrics[k]:.3f} s" for k in sorted(metrics) if k.startswith("time/stage/"))
             report.add("grpo", f"{shape}: {label}", f"{s:.3f} s/step, first step {first:.1f} s; last step: {stages}" + (
                 f" (engine-vs-learner abs delta logp: mean {mismatch:.2e}, max "
                 f"{metrics.get('mismatch/max_abs', float('nan')):.2e})" if mismatch is not None else ""))
