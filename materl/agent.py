@@ -46,7 +46,6 @@ from materl import compute
 from materl import device as _device
 from materl.engines import ENGINES
 from materl.engines import models as _models
-from materl.engines.base import engine_sleep
 from materl.errors import ConfigError
 
 DEFAULT_ENGINE = "mojo"
@@ -87,9 +86,9 @@ class Agent:
         self._device = _device.resolve_device(device)
         self.compute_dtype = _device.compute_dtype(self._device, compute_dtype)
         engine = engine if engine is not None else default_engine(self._device)
-        ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
-        if engine == "mojo" and self._device.type != "cpu":
-            raise ConfigError(f"engine='mojo' runs on the CPU only, but agent device is {self._device}; use "
+        engine_cls = ENGINES.get(engine)  # unknown engine names fail here, listing the valid ones
+        if not engine_cls.runs_on_cuda and self._device.type != "cpu":
+            raise ConfigError(f"engine={engine!r} runs on the CPU only, but agent device is {self._device}; use "
                               f"engine='transformers' (the default on CUDA) or device='cpu'")
         if head is not None and head not in _models.HEADS:
             raise ConfigError(f"unknown head {head!r}; valid: {', '.join(_models.HEADS)} or None")
@@ -146,10 +145,7 @@ class Agent:
         if self._engine is None:
             cls = ENGINES.get(self.engine_name)
             try:
-                if self.engine_name == "mojo":  # falls back to "transformers"; warns only if asked for
-                    self._engine = cls.for_agent(self, warn=self.engine_explicit, **self.engine_options)
-                else:
-                    self._engine = cls.for_agent(self, **self.engine_options)
+                self._engine = cls.for_agent(self, **self.engine_options)
             except TypeError as exc:
                 raise ConfigError(f"bad engine_options {sorted(self.engine_options)} for engine "
                                   f"{self.engine_name!r}: {exc}") from exc
@@ -175,7 +171,7 @@ class Agent:
         """The rollout stage is over: let a started engine free decode-only memory (a no-op if
         the engine never started)."""
         if self._engine is not None:
-            engine_sleep(self._engine)
+            self._engine.sleep()
 
     def sync_engine(self) -> None:
         """The weights changed: make a started engine sample from them (in-process: drop stale

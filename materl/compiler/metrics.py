@@ -1,7 +1,8 @@
 """What a step reports about its rollouts: episode counts, reward means and spreads per reward
 node and per reward term (and per-episode ``agent/`` and ``judge/`` figures), trained tokens,
 tool calls and their success (0 and 0 on a tool recipe's step without a call), per-turn
-advantage statistics (``advantage_turn_metrics``) and per-node times.
+advantage statistics (``advantage_turn_metrics``), prompt tokens the engine prefilled and reused
+from kept caches (where it reports them) and per-node times.
 
 ``reward`` (and every ``reward/...``) is over the episodes that count: an episode masked out by a
 tool outage (compile option ``infra_failures="mask"``) got whatever reward its broken tools
@@ -31,6 +32,10 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     rollouts = [r for r in (rollout_of(e) for e in ok) if r is not None]
     m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
     m |= tool_call_metrics(rollouts, uses_tools=uses_tools(plan))
+    turns = [s.metadata for r in rollouts for s in r.steps if s.kind == "generate" and "prefilled" in s.metadata]
+    if turns:  # the engine keeps KV across turns (the device loop): what each turn computed vs reused
+        m["engine/prefilled_tokens"] = float(sum(t["prefilled"] for t in turns))
+        m["engine/reused_tokens"] = float(sum(t["reused"] for t in turns))
     for e in episodes:
         for k, v in e.timings.items():
             m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

@@ -21,26 +21,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, make_episodes, split, to_tensor
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
 from materl.compiler.spec import spec_of
+from materl.engines.arrivals import settle
 from materl.errors import OpOutputError, StepTimeoutError
 from materl.rollout.episode import EpisodeState, StepResult
 from materl.rollout.types import Rollout
-
-SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
-
-
-async def settle(count: Callable[[], int]) -> None:
-    """Yield until a whole pass of the event loop's ready tasks changes ``count()`` no more."""
-    seen = -1
-    while count() != seen:
-        seen = count()
-        for _ in range(SETTLE_PASSES):
-            await anyio.lowlevel.checkpoint()
 
 
 async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:

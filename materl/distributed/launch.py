@@ -14,17 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from materl.distributed.versions import InProcessStore, WeightStore
+from materl.engines import ENGINES
 from materl.distributed.workers import LocalWorker, mirrored_agents
 
 
 def rollout_copy(agent: Any, *, deterministic: bool) -> Any:
     """A frozen copy of ``agent`` for sampling (its own weights and engine). In deterministic mode
-    the transformers engine decodes one request at a time: its row arithmetic depends on the
-    batch, and batches depend on when tool results arrive (the Mojo engine's does not)."""
+    the engine's ``deterministic_options`` apply (the transformers engine decodes one request at
+    a time: its row arithmetic depends on the batch, and batches depend on when tool results
+    arrive; the Mojo engine's does not)."""
     clone = agent.copy(trainable=False)
     clone.policy_version = agent.policy_version
-    if deterministic and clone.engine_name == "transformers":
-        clone.engine_options = {**clone.engine_options, "max_batch": 1}
+    if deterministic:
+        clone.engine_options = {**clone.engine_options, **ENGINES.get(clone.engine_name).deterministic_options}
     return clone
 
 

@@ -38,6 +38,7 @@ from materl.compiler.context import StepContext
 from materl.compiler.episode import Episode
 from materl.distributed.versions import DiskStore, RayObjectStore, WeightStore
 from materl.distributed.workers import Job, LocalWorker, rollout_agent_names
+from materl.engines import ENGINES
 from materl.errors import ConfigError
 
 TRANSPORTS = ("object_store", "disk")
@@ -180,8 +181,8 @@ def rollout_agent(spec, *, deterministic: bool):
     deterministic mode a transformers engine that decodes one request at a time (see
     ``launch.rollout_copy``)."""
     options = dict(spec.engine_options)
-    if deterministic and spec.engine == "transformers":
-        options["max_batch"] = 1
+    if deterministic:
+        options.update(ENGINES.get(spec.engine).deterministic_options)
     return replace(spec, trainable=False, engine_options=tuple(sorted(options.items()))).build()
 
 

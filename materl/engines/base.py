@@ -37,10 +37,26 @@ class Generation:
 
 @runtime_checkable
 class Engine(Protocol):
-    """``weights_version``: the policy version of the weights it samples from, recorded in each
-    ``Generation.metadata["version"]`` (set by whoever loads new weights)."""
+    """Everything ``Agent`` and ``materl.distributed`` use of an engine; nothing outside
+    ``engines/`` compares an engine's name.
+
+    ``weights_version``: the policy version of the weights it samples from, recorded in each
+    ``Generation.metadata["version"]`` (set by whoever loads new weights).
+    ``runs_on_cuda`` (class attribute): whether it can decode a model on a CUDA device (the Mojo
+    forward is CPU code). ``deterministic_options`` (class attribute): the engine options under
+    which a row's numbers do not depend on which requests share its batch (deterministic
+    off-policy mode applies them to rollout copies; ``{}`` where that always holds).
+    """
 
     weights_version: int
+    runs_on_cuda: bool
+    deterministic_options: dict
+
+    @classmethod
+    def for_agent(cls, agent, **options) -> "Engine":
+        """The engine for ``agent`` (its model, tokenizer, device and dtypes) with ``options``
+        (the agent's ``engine_options``); may return another engine (Mojo falls back)."""
+        ...
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
 
@@ -48,15 +64,12 @@ class Engine(Protocol):
         """Make the engine sample from the agent's current weights (after a learner step)."""
         ...
 
+    def sleep(self) -> None:
+        """The rollout stage is over: free decode-only memory until the next ``generate``
+        (verl's rollout ``sleep``/``wake_up`` play this part)."""
+        ...
+
     async def aclose(self) -> None: ...
-
-
-def engine_sleep(engine) -> None:
-    """Tell an engine the rollout stage is over: it may free decode-only memory (optional method
-    ``sleep``; verl's rollout ``sleep``/``wake_up`` play this part)."""
-    sleep = getattr(engine, "sleep", None)
-    if callable(sleep):
-        sleep()
 
 
 ENGINES: Registry = Registry("engine")

@@ -34,8 +34,8 @@ Why a seeded request gives the same tokens whatever shares its batch and whateve
      logits are the same bits alone or in a batch of 64, on an idle or a loaded machine, and a
      prompt's cache is the same bits whether it was fed in one step, in chunks, token by token
      or copied from an identical prompt.
-  3. The draw uses one uniform per token from the request's own ``torch.Generator`` (seeded with
-     ``params.seed``), in the same order as the transformers engine.
+  3. The draw uses one uniform per token from ``counter_uniforms(seed, token index)`` (the
+     request's ``params.seed``), the same draws as the transformers engine.
 Load only changes when rows run, never what they compute. (Not guaranteed: the same bits as the
 transformers engine, which sums in a different order; tokens agree unless a draw falls within
 rounding of a CDF boundary, and log-probs agree to ~1e-5.)
@@ -49,15 +49,15 @@ import warnings
 from dataclasses import dataclass, field
 
 import anyio
-import anyio.lowlevel
 import torch
 
 from materl import compute
+from materl.engines.arrivals import Arrivals, Request
 from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.mojo_forward import MojoForward, Row, new_cache
 from materl.engines.mojo_model import ModelTable
 from materl.engines.mojo_prefix import PrefixPool, common_prefix
-from materl.engines.sampling import StopRule, check_request, eos_ids, request_seed
+from materl.engines.sampling import StopRule, counter_uniforms, eos_ids, seed_words
 from materl.errors import ConfigError, EngineError, KernelError
 from materl.kernels import loader
 
@@ -83,27 +83,10 @@ class MojoEngineStats:
 
 
 @dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    token: object  # the event loop it was made on
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    result: Generation | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
-@dataclass(eq=False)
 class _Seq:
     """A running request: its cache, how much of it is filled, what it sampled."""
 
-    request: _Request
-    generator: torch.Generator
+    request: Request
     rule: StopRule
     cache: torch.Tensor
     fed: int = 0  # positions of the cache filled
@@ -139,6 +122,9 @@ def mojo_available() -> tuple[bool, str]:
 class MojoEngine:
     """In-process engine whose forward pass is Mojo; see the module docstring."""
 
+    runs_on_cuda = False  # the Mojo forward is CPU code
+    deterministic_options: dict = {}  # rows are independent of their batch by construction
+
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.005,
                  threads: int | None = None, prefill_chunk: int = 512, prefix_cache_mb: int = 512):
         if not isinstance(max_batch, int) or max_batch < 1:
@@ -170,15 +156,15 @@ class MojoEngine:
         self._params: list | None = None
         self._weights_seen: tuple | None = None
         self._epoch = 0  # bumped whenever the weights change: caches of older epochs are not shared
-        self._waiting: list[_Request] = []  # event-loop side
+        self.arrivals = Arrivals()  # event-loop side
         self._running: list[_Seq] = []  # compute-thread side (touched only inside a step)
-        self._driver: _Request | None = None
         self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
 
     @classmethod
-    def for_agent(cls, agent, *, warn: bool = True, **options):
+    def for_agent(cls, agent, *, warn: bool | None = None, **options):
         """The engine for ``agent``; the transformers engine (with a ``MojoFallbackWarning`` if
-        ``warn``) when Mojo is unavailable or the model is not one the Mojo forward runs. The
+        ``warn``; default: when the agent asked for "mojo" by name, ``agent.engine_explicit``)
+        when Mojo is unavailable or the model is not one the Mojo forward runs. The
         transformers engine gets ``max_batch``/``batch_window_s``; the other options are this
         engine's own (the warning names them)."""
         try:
@@ -186,7 +172,7 @@ class MojoEngine:
         except EngineError as exc:
             from materl.engines.transformers_engine import TransformersEngine
 
-            if warn:
+            if warn if warn is not None else getattr(agent, "engine_explicit", True):
                 dropped = sorted(set(options) - set(FALLBACK_OPTIONS))
                 note = f" (options {dropped} are the Mojo engine's)" if dropped else ""
                 warnings.warn(f"materl: engine 'mojo' unavailable for {agent.name!r}, using 'transformers'{note}: "
@@ -202,34 +188,13 @@ class MojoEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
-        params = params or SamplingParams()
-        prompt_ids = check_request(prompt_ids, params)
-        if params.max_new_tokens == 0:
-            return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
-        token = anyio.lowlevel.current_token()
-        self._drop_stale(token)
-        req = _Request(prompt_ids, params, request_seed(params), token)
-        self._waiting.append(req)
-        try:
-            while not req.done:
-                if self._driver is None:
-                    self._driver = req
-                    try:
-                        await self._drive(req)
-                    finally:
-                        self._driver = None
-                        self._wake_one(besides=req)
-                else:
-                    await req.wake.wait()
-                    req.wake = anyio.Event()
-        finally:
-            if not req.done:  # cancelled: the next step drops it
-                req.cancelled = True
-                if req in self._waiting:
-                    self._waiting.remove(req)
-        if req.error is not None:
-            raise EngineError(f"generation failed for a batch containing this request: {req.error!r}") from req.error
-        return req.result
+        req = self.arrivals.new(prompt_ids, params)
+        if req.empty() is not None:
+            return req.empty()
+        for seq in self._running:  # requests of an event loop that is gone
+            if seq.request.token != req.token:
+                seq.request.cancelled = True
+        return await self.arrivals.serve(req, self._drive, lambda: [s.request for s in self._running])
 
     def sync_weights(self) -> None:
         """The forward reads the agent's parameters in place, so an in-place update needs no copy;
@@ -249,35 +214,17 @@ class MojoEngine:
         self.forward.release()
 
     async def aclose(self) -> None:
-        self._waiting.clear()
+        self.arrivals.waiting.clear()
         self.forward.close()
 
     # -- scheduling (event loop) ---------------------------------------------------------------
 
-    def _drop_stale(self, token: object) -> None:
-        """Forget requests left by an event loop that is gone (e.g. an earlier ``asyncio.run``)."""
-        if self._driver is not None and self._driver.token != token:
-            self._driver = None
-        self._waiting = [r for r in self._waiting if r.token == token]
-        for seq in self._running:
-            if seq.request.token != token:
-                seq.request.cancelled = True
-
-    def _wake_one(self, *, besides: _Request) -> None:
-        """Hand the driver role to another request still waiting for its result."""
-        for r in self._waiting + [s.request for s in self._running]:
-            if r is not besides and not r.done and not r.cancelled:
-                r.wake.set()
-                return
-
-    async def _drive(self, req: _Request) -> None:
+    async def _drive(self, req: Request) -> None:
         """Run steps until ``req`` has its result."""
         while not req.done:
             if not self._running:  # idle: let a burst of requests (a GRPO group) arrive together
-                await anyio.sleep(self.batch_window_s)
-            room = self.max_batch - len(self._running)
-            admitted = self._waiting[:room]
-            del self._waiting[: len(admitted)]
+                await self.arrivals.tick(self.batch_window_s)
+            admitted = self.arrivals.take(self.max_batch - len(self._running))
             with anyio.CancelScope(shield=True):  # the step finishes anyway; deliver its results
                 try:
                     finished = await compute.acall(self._step, admitted)
@@ -291,7 +238,7 @@ class MojoEngine:
 
     # -- one step (compute thread) -----------------------------------------------------------------
 
-    def _step(self, admitted: list[_Request]) -> list[_Request]:
+    def _step(self, admitted: list[Request]) -> list[Request]:
         """Admit, run one forward over every running request, sample; return finished requests."""
         start = time.perf_counter()
         with self.model_lock, torch.no_grad():
@@ -323,12 +270,12 @@ class MojoEngine:
             self._weights_seen = seen
             self._epoch += 1
 
-    def _admit(self, requests: list[_Request]) -> list[_Seq]:
+    def _admit(self, requests: list[Request]) -> list[_Seq]:
         """New sequences, each reusing what it can of a cached or co-admitted prompt prefix."""
         shape = self.table.shape
         seqs, first = [], {}
         for r in requests:
-            seq = _Seq(r, torch.Generator().manual_seed(r.seed), StopRule.of(r.params, self.eos_ids),
+            seq = _Seq(r, StopRule.of(r.params, self.eos_ids),
                        new_cache(shape, len(r.prompt_ids) + r.params.max_new_tokens),
                        version=self.weights_version, epoch=self._epoch)
             twin = first.setdefault(tuple(r.prompt_ids), seq)
@@ -411,12 +358,13 @@ class MojoEngine:
         self.stats.reused_tokens += length
         return donor_rows[:length]
 
-    def _run(self, rows: list[Row], sampling: list[_Seq], mirrors: list) -> list[_Request]:
+    def _run(self, rows: list[Row], sampling: list[_Seq], mirrors: list) -> list[Request]:
         copies = [s for s in self._running if s.copies is not None and s.copies in sampling]
         logit_rows = self._logit_rows + [self._logit_rows[sampling.index(s.copies)] for s in copies]
         sampling = sampling + copies
         params = [s.request.params for s in sampling]
-        uniforms = [torch.rand((), generator=s.generator).item() for s in sampling]
+        lo, hi = seed_words([s.request.seed for s in sampling])
+        uniforms = counter_uniforms(lo, hi, torch.tensor([len(s.ids) for s in sampling], dtype=torch.long)).tolist()
         tokens, logprobs = self.forward.sample(self.table, rows, logit_rows, params, uniforms, mirrors=mirrors)
         for seq in copies:  # the prompt ran once; its cache is the same bits for every copy
             n = len(seq.prompt)

@@ -4,9 +4,13 @@
     rule = StopRule(params, eos, tokenizer)          # eos ids, stop_token_ids, stop strings, length
     tokens_B, logprobs_B = sample_tokens(logits_B_V, uniform_B, temperature_B=..., ...)
 
-The transformers engine and the Mojo engine both sample through ``sample_tokens`` with one
-uniform per row drawn from the request's own ``torch.Generator``, so given the same logits they
-pick the same tokens, and a row's draw depends only on its own logits and its own generator.
+The in-process engines (transformers, its device loop, Mojo) all sample through
+``sample_tokens`` with one uniform per row from ``counter_uniforms(seed, index)``: a
+counter-based generator (a hash of the request's seed and the index of the token being drawn, as
+Philox/JAX's ``fold_in`` are), so given the same logits they pick the same tokens, a row's draw
+depends only on its own logits, seed and position (never on its batch-mates or on how many
+steps ran before it joined), and the draw is a handful of integer torch ops that run inside a
+captured CUDA graph with no host sync.
 """
 
 from __future__ import annotations
@@ -86,13 +90,47 @@ class StopRule:
         return None
 
 
-def sample_rows(logits_B_V: Tensor, params: list[SamplingParams], generators: list[torch.Generator]
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2**32) (the products
+    wrap in int64; masking keeps their low 32 bits, so every value stays non-negative and ``>>``
+    is a logical shift)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _M32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _M32
+    return x ^ (x >> 16)
+
+
+def seed_words(seeds: list[int]) -> tuple[Tensor, Tensor]:
+    """Each seed as two int64 tensors of its low and high 32 bits (any Python int; taken mod 2**64)."""
+    return (torch.tensor([s & _M32 for s in seeds], dtype=torch.long),
+            torch.tensor([(s >> 32) & _M32 for s in seeds], dtype=torch.long))
+
+
+def counter_uniforms(seed_lo_B: Tensor, seed_hi_B: Tensor, index_B: Tensor) -> Tensor:
+    """One float32 uniform in [0, 1) per row, a pure function of (seed, index): 24 bits of
+    ``mix32(mix32(lo ^ mix32(hi + golden)) ^ mix32(index * golden'))``. ``index`` is which token
+    of the request is drawn (0 for the first new token). Integer torch ops only: exact and equal
+    on every device, capturable in a CUDA graph. (A counter-based generator as Salmon et al.'s
+    Philox, "Parallel random numbers: as easy as 1, 2, 3", SC 2011; vLLM/SGLang seed a
+    ``torch.Generator`` per request instead, which needs a host call per row.)"""
+    key = _mix32(seed_lo_B ^ _mix32((seed_hi_B + 0x9E3779B9) & _M32))
+    bits = _mix32(key ^ _mix32((index_B * 0x9E3779B1) & _M32))
+    return (bits >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def sample_rows(logits_B_V: Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]
                 ) -> tuple[list[int], list[float]]:
-    """One token and its log-prob per row, each row with its own params and generator."""
+    """One token and its log-prob per row, each row with its own params; row i draws token
+    ``indices[i]`` of the request seeded ``seeds[i]`` (``counter_uniforms``)."""
     dev = logits_B_V.device
+    lo, hi = seed_words(seeds)
     tokens, logprobs = sample_tokens(
         logits_B_V,
-        torch.tensor([torch.rand((), generator=g).item() for g in generators], device=dev),
+        counter_uniforms(lo, hi, torch.tensor(indices, dtype=torch.long)).to(dev),
         temperature_B=torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=dev),
         top_k_B=torch.tensor([p.top_k for p in params], device=dev),
         top_p_B=torch.tensor([p.top_p for p in params], device=dev),
@@ -132,6 +170,7 @@ def sample_tokens(
     top_k_B: Tensor,
     top_p_B: Tensor,
     greedy_B: Tensor,
+    filtered: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Draw one token per row and return ``(tokens_B, logprobs_B)``.
 
@@ -139,13 +178,15 @@ def sample_tokens(
     what the learner recomputes; T_i must be > 0: greedy rows pass their temperature or 1).
     Sampling is inverse-CDF with one uniform per row, u_i in [0, 1):
     token_i = min{j : cdf_i[j] > u_i * cdf_i[V-1]} over the filtered distribution, so a row's
-    draw depends only on its own logits and its own generator. Greedy rows take argmax(logits).
+    draw depends only on its own logits and its own uniform. Greedy rows take argmax(logits).
+    ``filtered``: whether any row has top-k/top-p on (None: look, one host sync; the device
+    loop passes what it knows so a captured step never syncs).
     (HF ``generate`` draws with ``torch.multinomial`` from one global generator; vLLM/SGLang
     report the same un-renormalised log-probs by default.)
     """
     scaled_B_V = logits_B_V.float() / temperature_B[:, None]
     logprobs_B_V = scaled_B_V.log_softmax(dim=-1)
-    needs_filter = bool(((top_k_B > 0) | (top_p_B < 1.0)).any())
+    needs_filter = bool(((top_k_B > 0) | (top_p_B < 1.0)).any()) if filtered is None else filtered
     filtered_B_V = top_k_top_p_filter(scaled_B_V, top_k_B, top_p_B) if needs_filter else scaled_B_V
     cdf_B_V = filtered_B_V.softmax(dim=-1).cumsum(dim=-1)
     target_B1 = (uniform_B.to(cdf_B_V) * cdf_B_V[:, -1])[:, None]

@@ -37,6 +37,9 @@ URL_ENV = "MATERL_SGLANG_URL"
 class SGLangEngine:
     """Client of one SGLang server; ``sync_weights`` pushes an agent's weights to it."""
 
+    runs_on_cuda = True  # the server's device is its own; the agent may sit anywhere
+    deterministic_options: dict = {}  # the server batches as it likes; nothing here changes that
+
     def __init__(
         self,
         url: str | None = None,
@@ -95,6 +98,9 @@ class SGLangEngine:
             client = httpx.AsyncClient(timeout=self.timeout_s, transport=self._transport)
             self._clients[key] = client
         return client
+
+    def sleep(self) -> None:
+        """Nothing decode-only lives in this process (the server holds its own memory)."""
 
     async def aclose(self) -> None:
         clients, self._clients = list(self._clients.values()), {}

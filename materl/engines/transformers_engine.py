@@ -14,9 +14,9 @@ depends on timing.) The decode runs in materl's compute thread (``materl.compute
 thread as the learner, so torch keeps one OpenMP pool) and the event loop keeps running tool
 calls and other episodes meanwhile.
 
-Reproducibility. A run is bit-identical when its batches are: per-row sampling uses each
-request's own seeded generator, but a row's arithmetic is NOT independent of its batch on torch's
-CPU kernels (oneDNN picks a different GEMM kernel by row count; left padding changes attention's
+Reproducibility. A run is bit-identical when its batches are: per-row sampling draws from a
+counter-based generator keyed by the request's seed and the token's index, but a row's
+arithmetic is NOT independent of its batch on torch's CPU kernels (oneDNN picks a different GEMM kernel by row count; left padding changes attention's
 reduction length; measured on SmolLM2: |delta log-prob| up to 2e-5, tokens equal). So rollouts
 whose requests arrive in an order fixed by the program (single-turn generation, in-process tools
 and environments) reproduce exactly under any machine load; with tool servers whose answers can
@@ -27,35 +27,45 @@ The decode loop is written here rather than calling ``model.generate``: left pad
 positions ``cumsum(mask) - 1``, a ``DynamicCache`` that appends in place (``kv_cache.py``),
 identical prompts (a GRPO group) prefilled once, per-row stop rules (eos ids,
 ``stop_token_ids``, stop strings on the decoded tail, ``max_new_tokens``), finished rows dropped
-from the batch and cache, and per-row sampling with each request's own ``torch.Generator`` so a
-seeded request samples the same tokens whatever shares its batch. HF ``generate`` has one
-global generator and one set of sampling settings per call, which is why it is not used.
+from the batch and cache, and per-row sampling with uniforms keyed by each request's seed and
+token index (``sampling.counter_uniforms``) so a seeded request samples the same tokens whatever
+shares its batch. HF ``generate`` has one global generator and one set of sampling settings per
+call, which is why it is not used.
+
+The device loop (``device_loop=True``, the default for Llama/Qwen2 models on CUDA;
+``device_loop.py``) replaces this loop: sampling and stop checks inside a captured step,
+continuous batching, and each episode's KV cache kept across its turns. Its batches are not
+coalesced once but re-formed every ``read_every`` steps.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import anyio
-import anyio.lowlevel
 import torch
 from torch import Tensor
 
 from materl import compute
 from materl.device import autocast, compute_dtype
+from materl.engines.arrivals import Arrivals, Request, finish
+from materl.engines import device_forward
 from materl.engines.base import ENGINES, Generation, SamplingParams
+from materl.engines.device_loop import DeviceLoop, LoopOptions
 from materl.engines.decode_weights import DecodeWeights
 from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
 from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
-    StopRule, check_request, eos_ids, request_seed, sample_rows, sample_tokens, top_k_top_p_filter,
+    StopRule, eos_ids, sample_rows, sample_tokens, top_k_top_p_filter,
 )
-from materl.errors import ConfigError, EngineError
+from materl.errors import ConfigError
 
-SETTLE_PASSES = 2  # loop passes without a new request before a batch is closed
+
+LOOP_DEFAULTS = dict(read_every=8, continuous=True, kv_reuse=True, prefill_tokens=8192, capture=None)
 
 
 @dataclass
@@ -67,6 +77,8 @@ class EngineStats:
     tokens: int = 0
     decode_s: float = 0.0
     largest_batch: int = 0
+    prefilled_tokens: int = 0  # prompt tokens computed (device loop)
+    reused_tokens: int = 0  # prompt tokens taken from a kept or shared cache (device loop)
 
     @property
     def mean_batch_size(self) -> float:
@@ -78,26 +90,10 @@ class EngineStats:
 
 
 @dataclass(eq=False)
-class _Request:
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
-    token: object  # the event loop it was made on
-    wake: anyio.Event = field(default_factory=anyio.Event)
-    result: Generation | None = None
-    error: BaseException | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None
-
-
-@dataclass(eq=False)
 class _Row:
     """Decode state of one request inside a batch."""
 
-    request: _Request
-    generator: torch.Generator
+    request: Request
     rule: StopRule
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -108,12 +104,23 @@ class _Row:
 class TransformersEngine:
     """In-process engine: coalesces concurrent requests into batched decodes in a thread."""
 
+    runs_on_cuda = True
+    deterministic_options = {"max_batch": 1}  # a row's arithmetic depends on its batch (module docstring)
+
     def __init__(self, model, tokenizer, *, max_batch: int = 64, batch_window_s: float = 0.0,
-                 pack_weights: bool = True, dtype: torch.dtype | None = None, static_cache: bool | None = None):
-        """``dtype``: what decoding computes in under ``torch.autocast`` (default: bf16 when the
-        model is on CUDA, fp32 on a CPU, where nothing changes); the weights are not cast.
-        ``static_cache``: decode on static KV-cache slots, steps captured as CUDA graphs on CUDA
-        (``static_decode.py``; default: on for a model on CUDA, off on a CPU)."""
+                 pack_weights: bool = True, dtype: torch.dtype | None = None, static_cache: bool | None = None,
+                 device_loop: bool | None = None, read_every: int = LOOP_DEFAULTS["read_every"],
+                 continuous: bool = LOOP_DEFAULTS["continuous"], kv_reuse: bool = LOOP_DEFAULTS["kv_reuse"],
+                 capture: str | None = LOOP_DEFAULTS["capture"], prefill_tokens: int = LOOP_DEFAULTS["prefill_tokens"]):
+        """``dtype``: what decoding computes in (default: bf16 when the model is on CUDA, through
+        a bf16 copy of the weights; fp32 on a CPU, where nothing changes).
+        ``device_loop``: decode with the device loop (``device_loop.py``: sampling and stop checks
+        on the device, continuous batching, each episode's KV kept across turns; default: on for
+        a Llama/Qwen2 model on CUDA), with ``read_every`` steps between read-backs,
+        ``continuous``, ``kv_reuse``, ``prefill_tokens`` per round and ``capture`` ("graph": raw
+        CUDA graphs, the CUDA default; "compile": torch.compile then graphs; "none").
+        ``static_cache`` (without the device loop): decode on static KV-cache slots, steps
+        captured as CUDA graphs on CUDA (``static_decode.py``; default: on for CUDA)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch must be an int >= 1, got {max_batch!r}")
         if batch_window_s < 0:
@@ -124,6 +131,9 @@ class TransformersEngine:
         self.dtype = compute_dtype(device, dtype)
         static = device.type == "cuda" if static_cache is None else bool(static_cache)
         self.static = StaticDecoder(capture=device.type == "cuda") if static else None
+        loop_options = dict(read_every=read_every, continuous=continuous, kv_reuse=kv_reuse,
+                            prefill_tokens=prefill_tokens, capture=capture)
+        self.loop = self._device_loop(model, device, device_loop, loop_options, max_batch)
         self._lowp, self._lowp_stale = None, False  # the decode copy in ``dtype`` (CUDA, bf16/fp16)
         self.max_batch = max_batch
         self.batch_window_s = batch_window_s
@@ -133,12 +143,30 @@ class TransformersEngine:
         # Held while a decode runs; a learner that updates the same model in another thread
         # while rollouts continue should hold it around optimizer.step().
         self.model_lock = threading.Lock()
-        self._pending: list[_Request] = []
-        self._leader: _Request | None = None
+        self.arrivals = Arrivals()
         self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
         self.eos_ids = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else min(self.eos_ids, default=0)
+
+    def _device_loop(self, model, device: torch.device, wanted: bool | None, options: dict, max_batch: int):
+        """The device loop if ``wanted`` (None: on CUDA where the model runs there); its options
+        given without it are an error, not ignored."""
+        fits = device_forward.supports(model)
+        if wanted and not fits:
+            raise ConfigError(f"device_loop=True needs a Llama/Qwen2-style decoder with full attention; "
+                              f"got {type(causal_lm_of(model)).__name__}")
+        use = (device.type == "cuda" and fits) if wanted is None else bool(wanted)
+        if not use:
+            given = sorted(k for k, v in options.items() if v != LOOP_DEFAULTS[k])
+            if given:
+                raise ConfigError(f"engine options {given} apply to the device loop, which is off here "
+                                  f"(device_loop={wanted!r}, device {device}); pass device_loop=True")
+            return None
+        capture = options["capture"] or ("graph" if device.type == "cuda" else "none")
+        return DeviceLoop(self.tokenizer, frozenset(),
+                          options=LoopOptions(**{**options, "capture": capture}, max_rows=max_batch))
+
 
     @classmethod
     def for_agent(cls, agent, **options) -> "TransformersEngine":
@@ -152,32 +180,12 @@ class TransformersEngine:
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module docstring for batching."""
-        params = params or SamplingParams()
-        prompt_ids = check_request(prompt_ids, params)
-        if params.max_new_tokens == 0:
-            return Generation([], [], "length", prompt_len=len(prompt_ids), metadata={"text": ""})
-        token = anyio.lowlevel.current_token()
-        self._drop_stale(token)
-        req = _Request(prompt_ids, params, request_seed(params), token)
-        self._pending.append(req)
-        try:
-            while not req.done:
-                if self._leader is None:
-                    self._leader = req
-                    await self._lead(req)
-                else:
-                    await req.wake.wait()
-                    req.wake = anyio.Event()
-        finally:
-            if req in self._pending:  # cancelled before its batch started
-                self._pending.remove(req)
-            if self._leader is req:
-                self._leader = None
-                if self._pending:
-                    self._pending[0].wake.set()
-        if req.error is not None:
-            raise EngineError(f"generation failed for a batch containing this request: {req.error!r}") from req.error
-        return req.result
+        req = self.arrivals.new(prompt_ids, params)
+        if req.empty() is not None:
+            return req.empty()
+        if self.loop is None:
+            return await self.arrivals.serve(req, self._drive_batches)
+        return await self.arrivals.serve(req, self._drive_rounds, self._loop_requests)
 
     def sync_weights(self) -> None:
         """The engine decodes with the agent's own model object, so it always sees the current
@@ -185,6 +193,8 @@ class TransformersEngine:
         lower-precision decode copy stale: refreshed in place before the next decode)."""
         self.decode_weights.clear()
         self._lowp_stale = True
+        if self.loop is not None:
+            self.loop.forget()
 
     def sleep(self) -> None:
         """Free decode-only memory (the packed copies of trainable weights) while the learner
@@ -192,47 +202,57 @@ class TransformersEngine:
         self.decode_weights.clear()
 
     async def aclose(self) -> None:
-        self._pending.clear()
+        self.arrivals.waiting.clear()
 
     # -- batching ---------------------------------------------------------------------------
 
-    def _drop_stale(self, token: object) -> None:
-        """Forget requests left by an event loop that is gone (e.g. an earlier ``asyncio.run``)."""
-        if self._leader is not None and self._leader.token != token:
-            self._leader = None
-        self._pending = [r for r in self._pending if r.token == token]
-
-    async def _lead(self, req: _Request) -> None:
+    async def _drive_batches(self, req: Request) -> None:
         """Run batches (oldest requests first) until ``req`` has its result."""
         while not req.done:
-            await self._settle()
-            batch = self._pending[: self.max_batch]
-            del self._pending[: len(batch)]
+            await self.arrivals.tick(self.batch_window_s)
+            batch = self.arrivals.take(self.max_batch)
             with anyio.CancelScope(shield=True):  # the thread finishes anyway; deliver results
                 try:
                     results = await compute.acall(self._decode_batch, batch)
                 except Exception as exc:  # noqa: BLE001 - handed to every waiter
-                    for r in batch:
-                        r.error = exc
+                    finish(batch, error=exc)
                 else:
-                    for r, g in zip(batch, results):
-                        r.result = g
-                for r in batch:
-                    r.wake.set()
+                    finish(batch, results)
 
-    async def _settle(self) -> None:
-        """Yield until a whole pass of the event loop's ready tasks adds no request (then every
-        episode that can ask now has asked), and for ``batch_window_s`` if set. No clock: the
-        batch is the same whatever the machine's load."""
-        if self.batch_window_s > 0:
-            await anyio.sleep(self.batch_window_s)
-        seen = -1
-        while len(self._pending) != seen:
-            seen = len(self._pending)
-            for _ in range(SETTLE_PASSES):
-                await anyio.lowlevel.checkpoint()
+    async def _drive_rounds(self, req: Request) -> None:
+        """Run device-loop rounds until ``req`` has its result; newcomers join between rounds."""
+        while not req.done:
+            if not self.loop.busy:  # idle: let a burst of requests (a GRPO group) arrive together
+                await self.arrivals.tick(self.batch_window_s)
+            admitted = self.arrivals.take(len(self.arrivals.waiting))
+            with anyio.CancelScope(shield=True):  # the round finishes anyway; deliver its results
+                try:
+                    finished = await compute.acall(self._decode_round, admitted)
+                except Exception as exc:  # noqa: BLE001 - handed to every request in the loop
+                    finish(list({id(r): r for r in admitted + self.loop.reset()}.values()), error=exc)
+                else:
+                    finish(finished)
 
-    def _decode_batch(self, batch: list[_Request]) -> list[Generation]:
+    def _loop_requests(self) -> list[Request]:
+        return [s.request for s in self.loop.seqs.values()] + self.loop.ready
+
+    def _decode_round(self, admitted: list[Request]) -> list[Request]:
+        before = self.loop.stats.steps
+        self.loop.eos = self.eos_ids  # (a benchmark may turn eos off)
+        with self._decoding() as lm:
+            finished = self.loop.round(lm, admitted, self.weights_version)
+        s = self.stats
+        s.requests += len(admitted)
+        s.tokens += sum(len(r.result.token_ids) for r in finished)
+        s.batches += self.loop.stats.steps > before
+        s.largest_batch = max(s.largest_batch, len(self.loop.seqs) + len(finished))
+        s.prefilled_tokens, s.reused_tokens = self.loop.stats.prefilled_tokens, self.loop.stats.reused_tokens
+        return finished
+
+    @contextmanager
+    def _decoding(self):
+        """The model that decodes (``_decode_model``) in eval mode, under no_grad and the
+        engine's lock, timed into ``stats.decode_s``."""
         lm = self._decode_model(causal_lm_of(self.model))
         start = time.perf_counter()
         with self.model_lock, self.decode_weights.installed(lm):
@@ -241,15 +261,18 @@ class TransformersEngine:
             try:
                 with torch.no_grad(), autocast(_device_of(lm), self.dtype if _dtype_of(lm) == torch.float32
                                                              else torch.float32):  # a low-precision copy: no autocast
-                    gens = self._decode(lm, batch)
+                    yield lm
             finally:
                 lm.train(was_training)
-        elapsed = time.perf_counter() - start
+                self.stats.decode_s += time.perf_counter() - start
+
+    def _decode_batch(self, batch: list[Request]) -> list[Generation]:
+        with self._decoding() as lm:
+            gens = self._decode(lm, batch)
         s = self.stats
         s.batches += 1
         s.requests += len(batch)
         s.tokens += sum(len(g.token_ids) for g in gens)
-        s.decode_s += elapsed
         s.largest_batch = max(s.largest_batch, len(batch))
         return gens
 
@@ -274,7 +297,7 @@ class TransformersEngine:
 
     # -- decode loop ------------------------------------------------------------------------
 
-    def _decode(self, lm, batch: list[_Request]) -> list[Generation]:
+    def _decode(self, lm, batch: list[Request]) -> list[Generation]:
         version = self.weights_version  # weights change only between batches (both run in the compute thread)
         if self.static is not None:
             return self.static.decode(self, lm, batch, version)
@@ -310,12 +333,13 @@ class TransformersEngine:
             logits = out.logits[:, -1, :]
         return [self._finish(row, len(batch), version) for row in rows]
 
-    def _new_row(self, req: _Request) -> _Row:
-        return _Row(req, torch.Generator().manual_seed(req.seed), StopRule.of(req.params, self.eos_ids))
+    def _new_row(self, req: Request) -> _Row:
+        return _Row(req, StopRule.of(req.params, self.eos_ids))
 
     def _step(self, logits_B_V: Tensor, rows: list[_Row]) -> Tensor:
         """Sample one token for every live row, record it and apply the stop rules."""
-        tokens, logprobs = sample_rows(logits_B_V, [r.request.params for r in rows], [r.generator for r in rows])
+        tokens, logprobs = sample_rows(logits_B_V, [r.request.params for r in rows], [r.request.seed for r in rows],
+                                       [len(r.ids) for r in rows])
         for row, tok, lp in zip(rows, tokens, logprobs):
             row.ids.append(tok)
             row.logprobs.append(lp)

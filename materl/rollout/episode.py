@@ -177,12 +177,13 @@ def append_turn(tokenizer, state: EpisodeState, new_messages: list[dict], *,
 
 async def sample_turn(engine, tokenizer, ids: list[int], params: SamplingParams) -> Step:
     """One model turn continuing ``ids``: the engine's exact token ids and sampling log-probs,
-    the decoded text, the latency and the weights version that sampled it, as a generate ``Step``. Single-turn generation,
+    the decoded text, the latency, the weights version that sampled it and (device loop) the
+    prompt tokens it prefilled and reused from a kept cache, as a generate ``Step``. Single-turn generation,
     ``generate_step`` and environments all sample through here."""
     t0 = time.perf_counter()
     gen = await engine.generate(ids, params)
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
-    meta = {"version": gen.metadata["version"]} if "version" in gen.metadata else {}
+    meta = {k: gen.metadata[k] for k in ("version", "prefilled", "reused") if k in gen.metadata}
     return Step("generate", list(gen.token_ids), list(gen.logprobs), text=text, finish_reason=gen.finish_reason,
                 latency_s=time.perf_counter() - t0, metadata=meta)
 

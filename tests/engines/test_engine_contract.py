@@ -26,11 +26,12 @@ HAS_MOJO = importlib.util.find_spec("mojo") is not None and not loader.disabled(
 MOJO = pytest.param("mojo", marks=[pytest.mark.mojo, pytest.mark.skipif(not HAS_MOJO, reason="needs the mojo package")])
 ENGINE_KINDS = [
     "transformers",
+    "device-loop",  # the transformers engine's device loop (device_loop=True; uncaptured on a CPU)
     MOJO,
     pytest.param("sglang", marks=[pytest.mark.sglang, pytest.mark.skipif(
         not SGLANG_URL, reason="set MATERL_SGLANG_URL to a running SGLang server")]),
 ]
-IN_PROCESS = ["transformers", MOJO]
+IN_PROCESS = ["transformers", "device-loop", MOJO]
 
 
 def in_process_engine(kind, model, tokenizer, **options):
@@ -40,6 +41,8 @@ def in_process_engine(kind, model, tokenizer, **options):
         return MojoEngine(model, tokenizer, **options)
     from materl.engines.transformers_engine import TransformersEngine
 
+    if kind == "device-loop":
+        options = {"device_loop": True, **options}
     return TransformersEngine(model, tokenizer, **options)
 
 
@@ -52,7 +55,7 @@ def tiny():
 @pytest.fixture(params=ENGINE_KINDS)
 def setup(request, tiny):
     """(engine, model, tokenizer): the model is the one the engine samples from."""
-    if request.param in ("transformers", "mojo"):
+    if request.param in ("transformers", "device-loop", "mojo"):
         model, tokenizer = tiny
         return in_process_engine(request.param, model, tokenizer), model, tokenizer
     from materl.engines.sglang_engine import SGLangEngine

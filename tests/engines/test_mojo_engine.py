@@ -54,6 +54,16 @@ async def test_a_seeded_request_is_the_same_bits_whatever_shares_its_batch(tiny)
     assert together.metadata["batch_size"] > 1 and alone.metadata["batch_size"] == 1
 
 
+async def test_a_step_that_only_feeds_a_prompt_samples_nothing(tiny):
+    """prefill_chunk=2 and a 6-token prompt: the first steps feed the prompt and draw no token
+    (an empty draw, once a float tensor the counter-based generator refused); then it samples
+    as a request fed in one step does."""
+    prompt, params = [104, 105, 106, 107, 108, 109], SamplingParams(max_new_tokens=4, seed=5)
+    chunked = await engine_of(*tiny, prefill_chunk=2).generate(prompt, params)
+    whole = await engine_of(*tiny).generate(prompt, params)
+    assert chunked.token_ids == whole.token_ids and chunked.logprobs == whole.logprobs
+
+
 async def test_requests_join_and_leave_between_decode_steps(tiny):
     engine = engine_of(*tiny)
     finished = []

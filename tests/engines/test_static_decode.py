@@ -56,8 +56,9 @@ def test_static_decode_on_cuda_captured_equals_dynamic_in_fp32():
     tok = agent.tokenizer
     prompts = [tok.encode(t) for t in ["hello", "a longer prompt here", "x", "hello"]]
     params = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=i) for i in range(4)]
-    dynamic = _generate(TransformersEngine(agent.model, tok, static_cache=False, dtype=torch.float32), prompts, params)
-    engine = TransformersEngine(agent.model, tok, dtype=torch.float32)
+    dynamic = _generate(TransformersEngine(agent.model, tok, static_cache=False, device_loop=False, dtype=torch.float32),
+                        prompts, params)
+    engine = TransformersEngine(agent.model, tok, dtype=torch.float32, device_loop=False)
     assert engine.static is not None and engine.static.capture
     for _ in range(2):  # the second call replays the captured graphs
         static = _generate(engine, prompts, params)
