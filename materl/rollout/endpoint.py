@@ -60,6 +60,7 @@ from materl.rollout.agent_trace import AgentTrace, Turn
 from materl.rollout.endpoint_schema import BadRequest, ChatRequest, ResponsesRequest, parse, responses_to_chat
 from materl.rollout.episode import model_turn
 from materl.rollout.http_pools import Pools
+from materl.rollout.loop_watch import BLOCKED_AFTER_S, LoopWatch
 
 HOST = "127.0.0.1"
 MAX_REQUEST_BYTES = 8 * 2**20
@@ -103,8 +104,10 @@ class AgentEndpoint:
     compiled step calls on it, as on a Toolbox."""
 
     def __init__(self, *, max_request_bytes: int = MAX_REQUEST_BYTES, read_timeout_s: float = http.READ_TIMEOUT_S,
-                 keep_alive_s: float = http.KEEP_ALIVE_S):
+                 keep_alive_s: float = http.KEEP_ALIVE_S, blocked_after_s: float = BLOCKED_AFTER_S):
         self.max_request_bytes, self.read_timeout_s, self.keep_alive_s = max_request_bytes, read_timeout_s, keep_alive_s
+        self.watch = LoopWatch(after_s=blocked_after_s)  # an async agent holding the loop is reported
+        self._sync_http = None  # the plain-def agents' clients' shared connection pool
         self.sessions: dict[str, AgentSession] = {}
         self._by_episode: dict[str, list[str]] = {}
         self._server = None
@@ -114,7 +117,7 @@ class AgentEndpoint:
 
     def __getstate__(self):  # a worker process starts its own server
         return {"max_request_bytes": self.max_request_bytes, "read_timeout_s": self.read_timeout_s,
-                "keep_alive_s": self.keep_alive_s}
+                "keep_alive_s": self.keep_alive_s, "blocked_after_s": self.watch.after_s}
 
     def __setstate__(self, state):
         self.__init__(**state)
@@ -150,6 +153,7 @@ class AgentEndpoint:
             if self._task.done():
                 self._task.result()  # raises the start-up error
             await asyncio.sleep(0.005)
+        self.watch.start()
 
     async def _serve(self, sock: socket.socket) -> None:
         """uvicorn's ``Server.serve`` without its signal capture (the loop may be a thread's)."""
@@ -164,6 +168,7 @@ class AgentEndpoint:
         sock.close()
 
     async def aclose(self) -> None:
+        self.watch.stop()
         if self._task is not None:
             self._server.should_exit = True
             await self._task
@@ -171,6 +176,9 @@ class AgentEndpoint:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        if self._sync_http is not None:
+            self._sync_http.close_pool()
+            self._sync_http = None
 
     def client(self, key: str, *, timeout_s: float):
         """An ``openai.AsyncOpenAI`` for one episode's key. The episodes take turns on a few shared
@@ -182,6 +190,25 @@ class AgentEndpoint:
             self._http = Pools(_shared_pool(openai.DefaultAsyncHttpxClient))
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=timeout_s,
                                   http_client=self._http.next())
+
+    def sync_client(self, key: str, *, timeout_s: float):
+        """An ``openai.OpenAI`` for one episode's key (a plain ``def`` agent, in a thread), on one
+        connection pool that all of them share (httpx's is thread-safe)."""
+        import openai
+
+        if self._sync_http is None:
+            base = openai.DefaultHttpxClient
+
+            class SharedSyncPool(base):
+                def close(self) -> None:  # an episode's client.close(): the pool stays open
+                    return None
+
+                def close_pool(self) -> None:
+                    base.close(self)
+
+            self._sync_http = SharedSyncPool()
+        return openai.OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=timeout_s,
+                             http_client=self._sync_http)
 
     def open(self, episode_uid: str, session: AgentSession) -> str:
         """A fresh bearer key for ``session`` (one per episode)."""
