@@ -250,7 +250,7 @@ class AgentEndpoint:
         except http.Disconnected:
             return  # the client went away while uploading: nobody to answer
         except http.TooLarge as exc:
-            return await _refuse(send, session, 413, exc, close=True)
+            return await _refuse(send, session, 413, exc)  # the rest of the body is read and dropped
         watch = http.Watch(receive)
         try:
             await self._answer(session, body, path == "/v1/responses", watch, send)
@@ -334,12 +334,12 @@ def _shared_pool(base: type) -> type:
     return SharedPool
 
 
-async def _refuse(send, session: AgentSession, status: int, exc: Exception, *, close: bool = False) -> None:
+async def _refuse(send, session: AgentSession, status: int, exc: Exception) -> None:
     """Answer an error and keep it on the session, so the episode fails with it."""
     message = f"{type(exc).__name__}: {exc}"
     session.errors.append(message)
     code = "invalid_request_error" if status < 500 else "server_error"
-    await http.send_json(send, status, _error_body(code, message), close=close)
+    await http.send_json(send, status, _error_body(code, message))
 
 
 def _error_body(code: str, message: str) -> dict:

@@ -9,7 +9,8 @@ request ``read_timeout_s`` from its first byte to its last; past it the connecti
 Headers are bounded by h11's incomplete-event limit (16 KiB).
 
 Bodies. ``read_body`` refuses a body over ``max_bytes`` (413) from its ``Content-Length`` before
-reading, or as soon as a chunked body passes the limit. A client that goes away while uploading
+reading, or as soon as a chunked body passes the limit; the rest of the body is read and dropped
+(uvicorn discards it) so the client can read the answer. A client that goes away while uploading
 raises ``Disconnected``, which the endpoint answers with nothing (there is nobody to answer).
 
 Delivery. ``Watch`` listens for the client's disconnect while a request is sampled and its
@@ -119,11 +120,10 @@ class Watch:
         self._task.cancel()
 
 
-async def send_json(send, status: int, payload: dict, *, close: bool = False) -> None:
+async def send_json(send, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status,
-                "headers": headers + [(b"connection", b"close")] * close})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

@@ -59,14 +59,15 @@ async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
         result = await _run_agent(node.params["agent"], endpoint, key, task_of(ep),
                                   timeout_s=run.options.episode_timeout_s)
     except Exception as exc:
-        if session.errors or not is_model_error(exc, node.params.get("model_errors", MODEL_ERRORS)):
+        if session.errors:  # the agent raised on the endpoint's refusal: the refusal says why
+            raise _refused(node, session) from exc
+        if not is_model_error(exc, node.params.get("model_errors", MODEL_ERRORS)):
             raise
         result, model_error = None, describe(exc)  # the model's mistake: scored, not dropped
     finally:
         endpoint.close(key)
     if session.errors:
-        raise EpisodeError(f"agent {_name(node)!r} sent {len(session.errors)} request(s) the endpoint refused; "
-                           f"first: {session.errors[0]}")
+        raise _refused(node, session)
     rollout = _episode(session, model_error)
     rollout.metadata["result"] = result
     if node.params.get("request_reward") is not None:
@@ -91,6 +92,11 @@ async def _run_agent(fn, endpoint, key: str, task: dict, *, timeout_s: float):
     client = endpoint.sync_client(key, timeout_s=timeout_s)
     # a limiter of its own: agent threads never wait for the endpoint's parsing threads, nor these for them
     return await anyio.to_thread.run_sync(fn, client, task, abandon_on_cancel=True, limiter=anyio.CapacityLimiter(1))
+
+
+def _refused(node: Node, session: AgentSession) -> EpisodeError:
+    return EpisodeError(f"agent {_name(node)!r} sent {len(session.errors)} request(s) the endpoint refused; "
+                        f"first: {session.errors[0]}")
 
 
 def _is_async(fn) -> bool:
