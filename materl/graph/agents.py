@@ -4,8 +4,6 @@ agent's episodes through an OpenAI-compatible endpoint served by the policy) and
 
 from __future__ import annotations
 
-import inspect
-
 from materl.errors import RecipeError
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 
@@ -17,7 +15,8 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
     """Run ``agent`` (``async def my_agent(client, task) -> result``) once per episode, where
     ``client`` is an ``openai.AsyncOpenAI`` pointed at a local endpoint (127.0.0.1, one API key
     per episode) that ``policy`` serves, and ``task`` is the dataset row (``{"prompt": ...,
-    **columns}``); a plain ``def my_agent(client, task)`` runs in a thread with an ``openai.OpenAI``. The value is the episode's Rollout: the exact token ids and sampling log-probs
+    **columns}``); a plain ``def my_agent(client, task)`` runs in a thread with an ``openai.OpenAI``.
+    The value is the episode's Rollout: the exact token ids and sampling log-probs
     of every request, prompts and tool results untrained, the agent's return value in
     ``.metadata["result"]``. ``parser``: the tool-call format of the answers (``"auto"``: the one
     the chat template declares). ``max_new_tokens``/``temperature``: per request (default: the

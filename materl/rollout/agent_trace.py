@@ -121,7 +121,7 @@ class AgentTrace:
     def context(self, messages: list[dict], tools: list[dict] | None) -> EpisodeState:
         """The episode state a request's answer is sampled after: the open segment extended by
         the request's new messages, or a new segment when the request rewrote the history.
-        Nothing changes until ``record`` keeps the answer (a failed request leaves no trace)."""
+        Nothing changes until ``keep`` records the answer (a failed request leaves no trace)."""
         if not messages:
             raise EpisodeError("a chat request needs at least one message; got messages=[]")
         seen = [normalized(m) for m in messages]

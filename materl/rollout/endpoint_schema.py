@@ -180,7 +180,8 @@ def responses_to_chat(req: ResponsesRequest) -> ChatRequest:
     items = [_InputMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for item in items:
         if isinstance(item, _FunctionCallItem):
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
