@@ -64,6 +64,7 @@ from materl.rollout.loop_watch import BLOCKED_AFTER_S, LoopWatch
 
 HOST = "127.0.0.1"
 MAX_REQUEST_BYTES = 8 * 2**20
+INLINE_PARSE_BYTES = 64 * 2**10  # smaller bodies parse in well under a millisecond
 ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/responses": "POST"}
 log = logging.getLogger("materl")
 
@@ -265,7 +266,8 @@ class AgentEndpoint:
     async def _answer(self, session: AgentSession, body: bytes, responses: bool, watch: http.Watch, send) -> None:
         """Validate, sample, send, and keep the turn once sent (module docstring)."""
         try:
-            request = await anyio.to_thread.run_sync(_parse, body, responses)
+            big = len(body) > INLINE_PARSE_BYTES  # a large body is parsed in a thread, off the loop
+            request = await anyio.to_thread.run_sync(_parse, body, responses) if big else _parse(body, responses)
             async with session.lock:  # one episode's requests are one sequence
                 answer = await self._sample(session, request, watch)
                 if answer is None:
