@@ -265,6 +265,7 @@ class AgentEndpoint:
 
     async def _answer(self, session: AgentSession, body: bytes, responses: bool, watch: http.Watch, send) -> None:
         """Validate, sample, send, and keep the turn once sent (module docstring)."""
+        sent = http.Sent(send)
         try:
             big = len(body) > INLINE_PARSE_BYTES  # a large body is parsed in a thread, off the loop
             request = await anyio.to_thread.run_sync(_parse, body, responses) if big else _parse(body, responses)
@@ -272,16 +273,16 @@ class AgentEndpoint:
                 answer = await self._sample(session, request, watch)
                 if answer is None:
                     return  # the client went away while its turn was sampled
-                await _send_answer(send, session, request, answer, responses)
+                await _send_answer(sent, session, request, answer, responses)
                 if not watch.gone.is_set():
                     session.trace.keep(answer.turn)
         except (EpisodeError, KeyError, TypeError, ValueError) as exc:  # the request's fault
-            await _refuse(send, session, getattr(exc, "status", 400), exc)
+            await _refuse(sent, session, getattr(exc, "status", 400), exc)
         except MaterlError as exc:  # the engine or the chat template failed: not the request's fault
-            await _refuse(send, session, 500, exc)
+            await _refuse(sent, session, 500, exc)
         except Exception as exc:  # noqa: BLE001 - fails the episode with it; one line on the log
             log.warning("agent endpoint: %s answering a request: %s", type(exc).__name__, exc)
-            await _refuse(send, session, 500, exc)
+            await _refuse(sent, session, 500, exc)
 
     async def _sample(self, session: AgentSession, request: ChatRequest, watch: http.Watch) -> _Answer | None:
         if (request.n or 1) != 1 or request.logprobs:
@@ -337,9 +338,12 @@ def _shared_pool(base: type) -> type:
 
 
 async def _refuse(send, session: AgentSession, status: int, exc: Exception) -> None:
-    """Answer an error and keep it on the session, so the episode fails with it."""
+    """Answer an error (unless an answer already started) and keep it on the session, so the
+    episode fails with it."""
     message = f"{type(exc).__name__}: {exc}"
     session.errors.append(message)
+    if getattr(send, "started", False):
+        return
     code = "invalid_request_error" if status < 500 else "server_error"
     await http.send_json(send, status, _error_body(code, message))
 

@@ -120,6 +120,17 @@ class Watch:
         self._task.cancel()
 
 
+class Sent:
+    """``send``, noting whether a response has started (then no other can be sent)."""
+
+    def __init__(self, send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message: dict) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 async def send_json(send, status: int, payload: dict) -> None:
     body = json.dumps(payload).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
