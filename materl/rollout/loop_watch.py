@@ -6,9 +6,11 @@ calls blocking code (a synchronous OpenAI client, ``requests``, ``time.sleep``, 
 waiting for, so it waits until its client times out (10 minutes with the openai defaults), and
 ``episode_timeout_s`` cannot fire. Python cannot interrupt it, so materl says so at once: a
 thread checks that the loop runs (a heartbeat task), and when it has not for ``after_s`` while an
-agent's code is the task running, it logs one error naming the agent and the line it is blocked
-at, with the fix (write it as a plain ``def``, which materl runs in a thread with a synchronous
-client, or await the asynchronous client it is given). Once per agent task.
+agent's code is the task running and the loop's thread has been waiting in the kernel all that
+while (state ``S`` in ``/proc``: a blocking read, a sleep; not a slow import or computation,
+which keep it running), it logs one error naming the agent and the line it is blocked at, with
+the fix (write it as a plain ``def``, which materl runs in a thread with a synchronous client, or
+await the asynchronous client it is given). Once per agent task.
 (asyncio's debug mode reports slow callbacks after the fact; this reports while it happens.)
 """
 
@@ -19,7 +21,9 @@ import logging
 import sys
 import threading
 import time
+from collections import deque
 from contextlib import contextmanager
+from pathlib import Path
 
 log = logging.getLogger("materl")
 BLOCKED_AFTER_S = 5.0
@@ -39,6 +43,7 @@ class LoopWatch:
 
     def start(self) -> None:
         self._loop, self._beat = asyncio.get_running_loop(), time.monotonic()
+        self._stat = Path(f"/proc/self/task/{threading.get_native_id()}/stat")  # the loop thread's state
         self._stop.clear()
         self._tasks = [self._loop.create_task(self._heartbeat())]
         thread = threading.Thread(target=self._check, name="materl-loop-watch", daemon=True)
@@ -70,14 +75,24 @@ class LoopWatch:
 
     def _check(self) -> None:
         seen: set = set()
+        waiting = deque(maxlen=10)  # the loop thread's last states: True while it waits in the kernel
         while not self._stop.wait(self.after_s / 10):
+            waiting.append(self._waiting())
             held = time.monotonic() - self._beat
-            if held < self.after_s or self._loop is None or self._loop.is_closed():
+            if held < self.after_s or self._loop is None or self._loop.is_closed() or not all(waiting):
                 continue
             task = asyncio.current_task(self._loop)
             if task in self.agents and task not in seen:
                 seen.add(task)
                 self._report(task, held)
+
+    def _waiting(self) -> bool:
+        """Whether the loop's thread is asleep in the kernel (True where /proc cannot say)."""
+        try:
+            stat = self._stat.read_text()
+        except OSError:
+            return True
+        return stat[stat.rfind(")") + 2:].startswith("S")
 
     def _report(self, task: asyncio.Task, held: float) -> None:
         name, code = self.agents[task]
@@ -90,8 +105,9 @@ class LoopWatch:
                 where = f"{code}:{frame.f_lineno}"
                 break
             frame = frame.f_back
-        message = (f"agent {name!r} has held the event loop for {held:.1f} s without awaiting (at "
-                   f"{where or innermost or 'an unknown line'}): while it does, the endpoint answers no episode's "
+        inside = f", inside {innermost}" if where and innermost and not innermost.startswith(code) else ""
+        message = (f"agent {name!r} has held the event loop for {held:.1f} s, blocked in a call that does not "
+                   f"await (at {where or innermost or 'an unknown line'}{inside}): while it does, the endpoint answers no episode's "
                    f"requests, its own included, so a blocking call to the model waits for its client's timeout. "
                    f"Write the agent as a plain `def` (materl runs it in a thread with a synchronous openai client) "
                    f"or await the AsyncOpenAI client it is given")
