@@ -23,10 +23,10 @@ schema before anything is tokenized, sampled or recorded (``materl.rollout.endpo
 a wrong type, an unknown role, ``n`` other than 1, ``logprobs``, a prompt that with
 ``max_tokens`` does not fit the model's positions is a 400; a body over ``max_request_bytes`` a
 413. The error is answered and kept on the session, so the op fails that episode with it
-(``AgentSession.errors``); the terminal shows nothing. Parsing and tokenizing run in a worker
-thread, so a large request does not hold up the other episodes. A turn is recorded only once its
-answer was sent: a client that went away while its turn was sampled (a timeout, an abandoned
-stream) leaves no turn behind, and its sampling is cancelled. Connections are bounded
+(``AgentSession.errors``); the terminal shows nothing. A large request (over 64 KiB) is
+parsed and tokenized in a worker thread, so it does not hold up the other episodes. A turn is
+recorded only once its answer was sent: a client that went away while its turn was sampled (a
+timeout, an abandoned stream) leaves no turn behind, and its sampling is cancelled. Connections are bounded
 (``materl.rollout.endpoint_http``): idle ones close after ``keep_alive_s``, a request must arrive
 within ``read_timeout_s`` of its first byte.
 
@@ -64,7 +64,7 @@ from materl.rollout.loop_watch import BLOCKED_AFTER_S, LoopWatch
 
 HOST = "127.0.0.1"
 MAX_REQUEST_BYTES = 8 * 2**20
-INLINE_PARSE_BYTES = 64 * 2**10  # smaller bodies parse in well under a millisecond
+INLINE_BYTES = 64 * 2**10  # smaller requests parse and tokenize in about a millisecond: not worth a thread
 ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/responses": "POST"}
 log = logging.getLogger("materl")
 
@@ -267,10 +267,10 @@ class AgentEndpoint:
         """Validate, sample, send, and keep the turn once sent (module docstring)."""
         sent = http.Sent(send)
         try:
-            big = len(body) > INLINE_PARSE_BYTES  # a large body is parsed in a thread, off the loop
-            request = await anyio.to_thread.run_sync(_parse, body, responses) if big else _parse(body, responses)
+            off_loop = len(body) > INLINE_BYTES  # a large request is parsed and tokenized in a thread
+            request = await _call(off_loop, _parse, body, responses)
             async with session.lock:  # one episode's requests are one sequence
-                answer = await self._sample(session, request, watch)
+                answer = await self._sample(session, request, watch, off_loop=off_loop)
                 if answer is None:
                     return  # the client went away while its turn was sampled
                 await _send_answer(sent, session, request, answer, responses)
@@ -284,14 +284,15 @@ class AgentEndpoint:
             log.warning("agent endpoint: %s answering a request: %s", type(exc).__name__, exc)
             await _refuse(sent, session, 500, exc)
 
-    async def _sample(self, session: AgentSession, request: ChatRequest, watch: http.Watch) -> _Answer | None:
+    async def _sample(self, session: AgentSession, request: ChatRequest, watch: http.Watch, *,
+                      off_loop: bool) -> _Answer | None:
         if (request.n or 1) != 1 or request.logprobs:
             raise BadRequest(f"n={request.n!r}, logprobs={request.logprobs!r}: the endpoint answers n=1 "
                              f"without logprobs")
         params = session.sampling(session.trace.requests)
         params = replace(params, stop_strings=tuple(params.stop_strings) + request.stop_strings())
         messages, tools = request.message_dicts(), request.tool_dicts()
-        state = await anyio.to_thread.run_sync(session.trace.context, messages, tools)
+        state = await _call(off_loop, session.trace.context, messages, tools)
         params = replace(params, max_new_tokens=_room(session, len(state.ids), request.cap(), params.max_new_tokens))
         result = None
         with anyio.CancelScope() as scope:  # cancelled when the client goes away: the engine drops the request
@@ -305,6 +306,10 @@ class AgentEndpoint:
         finish = ("tool_calls" if turn.reply.get("tool_calls") else "length" if n_out >= params.max_new_tokens
                   else "stop")
         return _Answer(turn, usage, finish)
+
+
+async def _call(off_loop: bool, fn, *args):
+    return await anyio.to_thread.run_sync(fn, *args) if off_loop else fn(*args)
 
 
 def _parse(body: bytes, responses: bool) -> ChatRequest:

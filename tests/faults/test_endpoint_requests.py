@@ -179,9 +179,10 @@ class ThreadsSeen:
     def __init__(self, tokenizer):
         self._tok, self.threads = tokenizer, []
 
-    def apply_chat_template(self, *args, **kwargs):
-        self.threads.append(threading.current_thread())
-        return self._tok.apply_chat_template(*args, **kwargs)
+    def apply_chat_template(self, messages, *args, **kwargs):
+        size = sum(len(str(m.get("content") or "")) for m in messages)
+        self.threads.append((threading.current_thread(), size))
+        return self._tok.apply_chat_template(messages, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -222,4 +223,6 @@ async def test_a_megabyte_request_is_tokenized_off_the_loop_while_other_episodes
     # far more tokens than the model's 4,096 positions)
     assert finished == ["small", "big"]
     assert "positions" in sessions[0].errors[0] and sessions[1].trace.requests == 1
-    assert tok.threads and all(t is not threading.main_thread() for t in tok.threads)
+    # the megabyte was rendered and tokenized in a worker thread (small requests stay in the loop)
+    big_renders = [t for t, size in tok.threads if size > 100_000]
+    assert big_renders and all(t is not threading.main_thread() for t in big_renders)
