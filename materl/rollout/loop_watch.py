@@ -109,7 +109,7 @@ class LoopWatch:
         message = (f"agent {name!r} has held the event loop for {held:.1f} s, blocked in a call that does not "
                    f"await (at {where or innermost or 'an unknown line'}{inside}): while it does, the endpoint "
                    f"answers no episode's requests, its own included, so a blocking call to the model waits for "
-                   f"its client's timeout. Write the agent as a plain `def` (materl runs it in a thread with a synchronous openai client) "
-                   f"or await the AsyncOpenAI client it is given")
+                   f"its client's timeout. Write the agent as a plain `def` (materl runs it in a thread with a "
+                   f"synchronous openai client) or await the AsyncOpenAI client it is given")
         self.reported.append(message)
         log.error(message)
