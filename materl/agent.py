@@ -52,6 +52,14 @@ DEFAULT_ENGINE = "mojo"
 """The engine of an Agent made with ``engine=None``."""
 
 
+def model_context(agent) -> int | None:
+    """The agent's ``max_position_embeddings`` (None when its model does not say)."""
+    model = getattr(agent, "model", None)
+    config = getattr(getattr(model, "backbone", model), "config", None)
+    n = getattr(config, "max_position_embeddings", None)
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
 class Agent:
     """A model, its tokenizer and a generation engine; see the module docstring."""
 

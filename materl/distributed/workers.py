@@ -72,12 +72,16 @@ class LocalWorker:
         self.waiting: dict[int, int] = {}  # version -> jobs naming it that have not started yet
         self._changed = anyio.Condition()
         self._starting = anyio.Lock()
+        self._started: list = []  # the services this worker started (and stops on aclose)
 
     async def start(self) -> None:
-        """Start the plan's tool servers in this worker (once; later calls return at once)."""
+        """Start the plan's tool servers that are not running in this worker (once; later calls
+        return at once). In process they may be the compiled step's, already started by it."""
         async with self._starting:
             for toolbox in plan_toolboxes(self.ctx.plan):
-                await toolbox.start()
+                if not toolbox.started:
+                    await toolbox.start()
+                    self._started.append(toolbox)
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
         await self.start()
@@ -118,8 +122,9 @@ class LocalWorker:
                 self.version = version
 
     async def aclose(self) -> None:
-        """Stop the tool servers this worker started."""
-        for toolbox in plan_toolboxes(self.ctx.plan):
+        """Stop the tool servers this worker started (the compiled step stops its own)."""
+        started, self._started = self._started, []
+        for toolbox in started:
             await toolbox.aclose()
 
     @property

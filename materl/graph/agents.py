@@ -4,8 +4,6 @@ agent's episodes through an OpenAI-compatible endpoint served by the policy) and
 
 from __future__ import annotations
 
-import inspect
-
 from materl.errors import RecipeError
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 from materl.rollout.judge_http import DEFAULT_MAX_ANSWER_BYTES
@@ -13,31 +11,44 @@ from materl.rollout.judge_http import DEFAULT_MAX_ANSWER_BYTES
 
 def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: str = "auto",
                    max_new_tokens: int | None = None, temperature: float | None = None,
-                   greedy: bool | None = None, request_reward=None) -> Value:
+                   greedy: bool | None = None, request_reward=None, model_errors=None,
+                   max_request_bytes: int | None = None) -> Value:
     """Run ``agent`` (``async def my_agent(client, task) -> result``) once per episode, where
     ``client`` is an ``openai.AsyncOpenAI`` pointed at a local endpoint (127.0.0.1, one API key
     per episode) that ``policy`` serves, and ``task`` is the dataset row (``{"prompt": ...,
-    **columns}``). The value is the episode's Rollout: the exact token ids and sampling log-probs
+    **columns}``); a plain ``def my_agent(client, task)`` runs in a thread with an ``openai.OpenAI``.
+    The value is the episode's Rollout: the exact token ids and sampling log-probs
     of every request, prompts and tool results untrained, the agent's return value in
     ``.metadata["result"]``. ``parser``: the tool-call format of the answers (``"auto"``: the one
     the chat template declares). ``max_new_tokens``/``temperature``: per request (default: the
     compile options'); ``greedy=True`` decodes greedily. ``request_reward``: ``fn(*, messages,
     reply, task) -> float | None`` (sync or async), called per answered request once the episode
     ends; a number is that request's step reward, on the last token it sampled (score it with
-    ``ml.reward("step_rewards", rollout=...)``). See ``materl.compiler.kinds.agents``."""
-    if not (inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None))):
-        raise RecipeError(f"ml.agent_episodes(agent=...) needs an async function (client, task) -> result, "
-                          f"got {agent!r}")
+    ``ml.reward("step_rewards", rollout=...)``). ``model_errors``: the exceptions that are the
+    model's mistake, so an episode ending in one is scored (no result) instead of failed (default
+    ``materl.rollout.agent_errors.MODEL_ERRORS``, common frameworks' model-behaviour errors; ``()``
+    fails on every exception); classes or qualified names. ``max_request_bytes``: the endpoint's
+    body limit (default 8 MiB). See ``materl.compiler.kinds.agents``."""
+    if not callable(agent):
+        raise RecipeError(f"ml.agent_episodes(agent=...) needs a function (client, task) -> result (async def, or "
+                          f"a plain def run in a thread), got {agent!r}")
     if request_reward is not None and not callable(request_reward):
         raise RecipeError(f"ml.agent_episodes(request_reward=...) needs a function (messages, reply, task) -> "
                           f"float | None, got {request_reward!r}")
+    from materl.rollout.agent_errors import check_model_errors
     from materl.rollout.endpoint import AgentEndpoint
 
+    if model_errors is not None:
+        model_errors = check_model_errors(model_errors, "ml.agent_episodes")
+    if max_request_bytes is not None and (not isinstance(max_request_bytes, int) or max_request_bytes < 1):
+        raise RecipeError(f"ml.agent_episodes(max_request_bytes=...) takes a positive int, got {max_request_bytes!r}")
     b = active_builder("ml.agent_episodes")
     a = b.agent(policy, "ml.agent_episodes")
-    params = {"agent": agent, "endpoint": AgentEndpoint(), "parser": parser,
+    endpoint = AgentEndpoint(**({"max_request_bytes": max_request_bytes} if max_request_bytes else {}))
+    params = {"agent": agent, "endpoint": endpoint, "parser": parser,
               **{k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
-                                                          ("greedy", greedy), ("request_reward", request_reward))
+                                   ("greedy", greedy), ("request_reward", request_reward),
+                                   ("model_errors", model_errors))
                  if v is not None}}
     return b.add("agent_episodes", [a, prompts], params, scope="episode", name=name, default_name="rollout",
                  fixed_scope=True)

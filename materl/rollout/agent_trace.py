@@ -4,7 +4,8 @@ as exact token ids.
     trace = AgentTrace(tokenizer)
     state = trace.context(messages, tools)              # the ids the engine continues
     result = await model_turn(engine, tokenizer, state, params)
-    reply = trace.record(result, messages)              # the OpenAI assistant message to answer
+    turn = trace.answer(result, messages)               # turn.reply: the OpenAI assistant message
+    trace.keep(turn)                                    # once the answer was delivered
     rollout = trace.rollout()
 
 A request whose messages extend the previous one (its messages, then the assistant message as
@@ -26,7 +27,7 @@ advantages see every segment's steps in order and the learner trains one row per
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from materl.errors import EpisodeError
@@ -92,6 +93,18 @@ def chat_message(message: dict) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Turn:
+    """A sampled answer not yet recorded (``AgentTrace.answer``)."""
+
+    result: StepResult
+    step: Any
+    message: dict
+    reply: dict
+    messages: list[dict]
+    request: int
+
+
 class AgentTrace:
     """The segments of one agent episode; see the module docstring."""
 
@@ -108,7 +121,7 @@ class AgentTrace:
     def context(self, messages: list[dict], tools: list[dict] | None) -> EpisodeState:
         """The episode state a request's answer is sampled after: the open segment extended by
         the request's new messages, or a new segment when the request rewrote the history.
-        Nothing changes until ``record`` keeps the answer (a failed request leaves no trace)."""
+        Nothing changes until ``keep`` records the answer (a failed request leaves no trace)."""
         if not messages:
             raise EpisodeError("a chat request needs at least one message; got messages=[]")
         seen = [normalized(m) for m in messages]
@@ -128,9 +141,10 @@ class AgentTrace:
         return [ToolResult(name=m.get("name") or calls.get(m.get("tool_call_id", ""), "tool"), content=m["content"],
                            call_id=m.get("tool_call_id", "")) for m in new if m["role"] == "tool"]
 
-    def record(self, result: StepResult, messages: list[dict]) -> dict:
-        """Keep a sampled turn (ids, log-probs, parsed calls) answering ``messages`` and return it
-        as the OpenAI assistant message; calls without an id get ``call_<request>_<i>``."""
+    def answer(self, result: StepResult, messages: list[dict]) -> Turn:
+        """A sampled turn (ids, log-probs, parsed calls) answering ``messages``, with the OpenAI
+        assistant message to send (``Turn.reply``); calls without an id get ``call_<request>_<i>``.
+        Nothing is recorded until ``keep`` (the endpoint keeps a turn once it was delivered)."""
         step, message = result.step, dict(result.history.messages[-1])
         calls = [c if c.id else replace(c, id=f"call_{self.requests}_{i}") for i, c in enumerate(step.tool_calls)]
         step = replace(step, tool_calls=calls, metadata={**step.metadata, "request": self.requests})
@@ -142,15 +156,26 @@ class AgentTrace:
             reply["tool_calls"] = [{"id": c.id, "type": "function",
                                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in good]
             reply["content"] = message["content"] or None
+        return Turn(result, step, message, reply, messages, self.requests)
+
+    def keep(self, turn: Turn) -> None:
+        """Record ``turn`` (from ``answer`` after the last ``context``) as the episode's next turn."""
+        if turn.request != self.requests:
+            raise EpisodeError(f"turn {turn.request} was answered after turn {self.requests - 1} was kept")
         seen, tools, new_segment = self._pending
         if new_segment and self.state is not None:
             self.done.append(self.state.to_rollout())
-        state = result.history
-        self.state = replace(state, messages=state.messages[:-1] + [message], steps=state.steps[:-1] + [step])
-        self.expected, self.tools = seen + [normalized(reply)], tools
-        self.log.append((messages, reply))
+        state = turn.result.history
+        self.state = replace(state, messages=state.messages[:-1] + [turn.message], steps=state.steps[:-1] + [turn.step])
+        self.expected, self.tools = seen + [normalized(turn.reply)], tools
+        self.log.append((turn.messages, turn.reply))
         self.requests += 1
-        return reply
+
+    def record(self, result: StepResult, messages: list[dict]) -> dict:
+        """``answer`` and ``keep`` at once; returns the assistant message."""
+        turn = self.answer(result, messages)
+        self.keep(turn)
+        return turn.reply
 
     @property
     def num_segments(self) -> int:

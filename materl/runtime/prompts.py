@@ -20,6 +20,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+from materl.agent import model_context
 from materl.errors import ConfigError, DataError
 from materl.ops.rewards import BATCH_KEYS, REWARDS
 from materl.rollout.episode import EpisodeState, encode, prompt_messages
@@ -100,14 +101,6 @@ def prompt_sites(compiled, max_prompt_tokens: int | None = None) -> list[_Site]:
         sites.append(_Site(node.name, name, agent.tokenizer, list(specs) if specs else None,
                            node.params.get("system", options.system_prompt), limit, why))
     return sites
-
-
-def model_context(agent) -> int | None:
-    """The agent's ``max_position_embeddings`` (None when its model does not say)."""
-    model = getattr(agent, "model", None)
-    config = getattr(getattr(model, "backbone", model), "config", None)
-    n = getattr(config, "max_position_embeddings", None)
-    return int(n) if isinstance(n, int) and n > 0 else None
 
 
 def fit_prompts(compiled, rows: list[Row], *, max_prompt_tokens: int | None = None,

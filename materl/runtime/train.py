@@ -173,8 +173,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         run.logger.close(plot=not interrupted)
         if run.ranks is not None:
             run.ranks.shutdown()
-        if workers:
-            compiled.call_blocking(_close_workers, rollout_workers)
+        compiled.call_blocking(_close_workers, rollout_workers)  # in process too: the services it started
         if not ray_before and _ray_running():
             import ray
 

@@ -3,6 +3,7 @@ ids for the same seeds), and an agent that raises, hangs or sends a malformed re
 own episode only, with the error recorded."""
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -90,7 +91,7 @@ async def test_an_agent_that_raises_hangs_or_sends_garbage_fails_only_its_own_ep
     assert {ep.error.kind for ep in by_prompt["hang"]} == {"StepTimeoutError"}
     assert all("episode_timeout_s=3" in ep.error.message for ep in by_prompt["hang"])
     assert {ep.error.kind for ep in by_prompt["garbage"]} == {"EpisodeError"}
-    assert all("JSONDecodeError" in ep.error.message for ep in by_prompt["garbage"])
+    assert all("Invalid JSON" in ep.error.message for ep in by_prompt["garbage"])
 
 
 async def test_an_agent_that_never_asks_the_model_fails_its_episode():
@@ -102,12 +103,31 @@ async def test_an_agent_that_never_asks_the_model_fails_its_episode():
     assert "made no chat request" in episodes[0].error.message
 
 
-def test_agent_must_be_an_async_function():
-    def sync_agent(client, task):
-        return None
+async def test_a_plain_def_agent_runs_in_a_thread_with_a_synchronous_client():
+    """Most existing agent code is synchronous: it runs in a thread of its own, with an
+    ``openai.OpenAI`` client, and samples exactly what the async agent samples (same seeds)."""
+    import openai
 
-    with pytest.raises(RecipeError, match="needs an async function"):
-        agent_recipe(sync_agent)
+    seen = []
+
+    def sync_ask(client, task):
+        seen.append((type(client), threading.current_thread() is threading.main_thread()))
+        out = client.chat.completions.create(model="policy", messages=[{"role": "user", "content": task["prompt"]}])
+        return out.choices[0].message.content
+
+    mine = await rollout(agent_recipe(sync_ask), ["add 2 and 3", "hello"])
+    theirs = await rollout(agent_recipe(ask), ["add 2 and 3", "hello"])
+    assert seen and all(kind is openai.OpenAI and not main for kind, main in seen)
+    for a, b in zip(mine, theirs):
+        assert a.error is None, a.error
+        ra, rb = a.values["rollout"], b.values["rollout"]
+        assert (ra.prompt_ids, ra.completion_ids) == (rb.prompt_ids, rb.completion_ids)
+        assert ra.metadata["result"] == ra.text
+
+
+def test_agent_must_be_callable():
+    with pytest.raises(RecipeError, match="needs a function"):
+        agent_recipe("my_agent")
 
 
 async def test_request_rewards_land_on_the_last_token_of_the_request_they_score():

@@ -209,3 +209,31 @@ async def test_malformed_requests_are_refused_and_kept_on_the_session():
     assert "n=2" in two.json()["error"]["message"]
     assert len(session.errors) == 4 and "'wizard'" in session.errors[3]
     assert session.trace.requests == 0  # nothing was sampled for them
+
+
+async def test_the_responses_api_continues_the_same_exact_token_record(caller):
+    """``client.responses.create`` (the Responses API): the function call parsed from the sampled
+    text comes back as a ``function_call`` item, and a request that sends it back with its
+    ``function_call_output`` continues the same ids, as chat completions do."""
+    endpoint, engine, session, client = await serve(caller)
+    tools = [{"type": "function", "name": "calculate", "description": CALC["function"]["description"],
+              "parameters": CALC["function"]["parameters"]}]
+    try:
+        first = await client.responses.create(model="policy", input=QUESTION, tools=tools)
+        (call,) = [item for item in first.output if item.type == "function_call"]
+        follow_up = QUESTION + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                 "arguments": call.arguments},
+                                {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+        second = await client.responses.create(model="policy", input=follow_up, tools=tools)
+    finally:
+        await client.close()
+        await endpoint.aclose()
+    assert (call.name, json.loads(call.arguments)) == ("calculate", {"expression": "2+3"})
+    assert first.usage.output_tokens == len(engine.requests[0][1].token_ids)
+    assert second.output and second.status == "completed"
+    rollout = session.trace.rollout()
+    (p1, g1), (p2, g2) = engine.requests
+    assert [s.kind for s in rollout.steps] == ["generate", "tool", "generate"]
+    assert p2 == p1 + g1.token_ids + rollout.steps[1].token_ids  # continued, never re-tokenized
+    assert [(r.name, r.content) for r in rollout.steps[1].tool_results] == [("calculate", "5")]
+    assert rollout.metadata["num_segments"] == 1

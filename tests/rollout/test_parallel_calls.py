@@ -217,7 +217,7 @@ async def test_the_endpoint_honours_parallel_tool_calls_false(caller, specs):
     try:
         out = await client.chat.completions.create(model="policy", messages=ADD, tools=calc,
                                                    parallel_tool_calls=False)
-        with pytest.raises(openai.BadRequestError, match="'parallel_tool_calls' must be true or false, got 'no'"):
+        with pytest.raises(openai.BadRequestError, match=r"parallel_tool_calls: .*\(got 'no'\)"):
             await client.chat.completions.create(model="policy", messages=ADD, tools=calc,
                                                  extra_body={"parallel_tool_calls": "no"})
     finally:
