@@ -5,7 +5,7 @@ The file is a training config plus a ``sweep`` section::
 
     sweep:
       sampler: tpe              # grid | random | tpe (Optuna's GridSampler, RandomSampler, TPESampler)
-      pruner: median            # none | median | successive_halving | hyperband (Optuna's pruners)
+      pruner: median            # none | median | successive_halving | hyperband | threshold (Optuna's)
       pruner_params: {n_startup_trials: 2, n_warmup_steps: 1}
       n_trials: 8               # grid: default and at most the grid's size
       metric: eval/reward       # a metric of the runs' metrics.jsonl, reported by step
@@ -68,7 +68,7 @@ class SweepSpec(BaseModel):
     """The ``sweep`` section (see the module docstring)."""
     model_config = ConfigDict(extra="forbid")
     sampler: Literal["grid", "random", "tpe"] = "tpe"
-    pruner: Literal["none", "median", "successive_halving", "hyperband"] = "median"
+    pruner: Literal["none", "median", "successive_halving", "hyperband", "threshold"] = "median"
     pruner_params: dict[str, Any] = Field(default_factory=dict)
     n_trials: int | None = Field(default=None, ge=1)
     metric: str = "eval/reward"
@@ -218,7 +218,7 @@ def _study(sweep: Sweep):
         sampler = optuna.samplers.TPESampler(seed=spec.seed)
     pruners = {"none": optuna.pruners.NopPruner, "median": optuna.pruners.MedianPruner,
                "successive_halving": optuna.pruners.SuccessiveHalvingPruner,
-               "hyperband": optuna.pruners.HyperbandPruner}
+               "hyperband": optuna.pruners.HyperbandPruner, "threshold": optuna.pruners.ThresholdPruner}
     try:
         pruner = pruners[spec.pruner](**spec.pruner_params)
     except (TypeError, ValueError) as e:
@@ -248,7 +248,8 @@ class _Running:
     offset: int = 0
     buffer: bytes = b""
     last: float | None = None
-    pruning: bool = False
+    pruning: bool = False  # the pruner rejected it (its process is stopped)
+    pruned_at: int | None = None
 
 
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), *, sweep_overrides: Sequence[str] = (),
@@ -307,8 +308,12 @@ def _done(study) -> int:
 def _retry_interrupted(study) -> list[int]:
     """Trials a stopped sweep left running: failed, then queued again with their parameters and
     reported values (Optuna's RetryHeartbeatStaleTrialCallback)."""
+    import warnings
+
     optuna = import_optuna()
-    retry = optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
+    with warnings.catch_warnings():  # "experimental": the retry is Optuna's own, pinned in constraints.txt
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        retry = optuna.storages.RetryHeartbeatStaleTrialCallback(inherit_intermediate_values=True)
     stale = study.get_trials(deepcopy=True, states=(_states().RUNNING,))
     for t in stale:
         study.tell(t.number, state=_states().FAIL)
@@ -387,25 +392,26 @@ def _params(params: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
-def _read(sweep: Sweep, r: _Running) -> bool:
-    """Report the new records' metric values; whether any was reported."""
+def _read(sweep: Sweep, r: _Running) -> None:
+    """Report the new records' metric values and ask the pruner after each one, as Optuna's own
+    ``optimize`` loop would (so a trial's state does not depend on when it was read)."""
     chunk = r.proc.read(r.offset)
     r.offset += len(chunk)
     *lines, r.buffer = (r.buffer + chunk).split(b"\n")
-    new = False
     for line in lines:
         try:
             rec = json.loads(line)
         except ValueError:
             continue
         step, value = rec.get("step"), rec.get(sweep.spec.metric)
-        if isinstance(step, int) and isinstance(value, (int, float)) and not isinstance(value, bool):
-            r.last = float(value)
-            if step not in r.reported:
-                r.trial.report(float(value), step)
-                r.reported.add(step)
-                new = True
-    return new
+        if r.pruning or not isinstance(step, int) or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        r.last = float(value)
+        if step not in r.reported:
+            r.trial.report(float(value), step)
+            r.reported.add(step)
+            r.pruning = r.trial.should_prune()
+            r.pruned_at = step
 
 
 def _poll(sweep: Sweep, study, number: int, say) -> None:
@@ -413,12 +419,12 @@ def _poll(sweep: Sweep, study, number: int, say) -> None:
 
     r = sweep.trials[number]
     rc = r.proc.poll()
-    new = _read(sweep, r)
+    stopping = r.pruning
+    _read(sweep, r)
+    if r.pruning and not stopping:
+        r.proc.stop(signal.SIGTERM)
+        say(f"trial {number}: pruned at step {r.pruned_at} ({sweep.spec.metric}={r.last:.4g})")
     if rc is None:
-        if new and not r.pruning and r.trial.should_prune():
-            r.pruning = True
-            r.proc.stop(signal.SIGTERM)
-            say(f"trial {number}: pruned at step {max(r.reported)} ({sweep.spec.metric}={r.last:.4g}); stopping it")
         return
     del sweep.trials[number]
     r.proc.close()
