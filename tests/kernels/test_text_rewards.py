@@ -5,6 +5,8 @@ import random
 import pytest
 import torch
 
+import materl as ml
+
 from materl.errors import ConfigError, ShapeError
 from materl.kernels import text_rewards as K
 from materl.ops import text_rewards as T
@@ -68,3 +70,26 @@ def test_table_finds_every_word():
         while int(table.slots[slot]) != k:
             assert int(table.slots[slot]) >= 0, f"{words[k]!r} not found"
             slot = (slot + 1) & (cap - 1)
+
+
+@ml.recipe
+def text_grpo(policy, ref_policy, prompts):
+    completions = ml.generate(policy, prompts, name="completions")
+    policy_logprobs = ml.logprobs(policy, prompts, completions, name="policy_logprobs")
+    ref_logprobs = ml.logprobs(ref_policy, prompts, completions, name="ref_logprobs")
+    rewards = ml.reward("sentiment", weight=0.5, target="neutral") + ml.reward("toxicity", weight=0.5)
+    advantages = ml.advantages(rewards, name="advantages")
+    ml.set_loss(ml.grpo_loss(advantages, policy_logprobs, ref_logprobs))
+
+
+@pytest.mark.mojo
+def test_compiled_recipe_runs_the_text_kernels_with_the_same_numbers():
+    results = []
+    for kernels in ("torch", "auto"):
+        torch.manual_seed(0)
+        step = ml.compile(text_grpo, policy=ml.Agent("tiny-random", trainable=True), ref_policy=ml.Agent("tiny-random"),
+                          group_size=2, max_new_tokens=8, kernels=kernels, seed=0)
+        assert ("fused: sentiment + toxicity in %rewards" in step.explain()) == (kernels == "auto")
+        m = step.run(prompts=["a", "b"])
+        results.append({k: m[k] for k in ("reward", "reward/sentiment/mean", "reward/toxicity/mean")})
+    assert results[0] == results[1]
