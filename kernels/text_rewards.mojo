@@ -40,16 +40,19 @@ comptime UPPER = 1
 comptime NEGATED = 2
 
 
+@always_inline
 def is_space(c: UInt8) -> Bool:
     """ASCII whitespace, as bytes.split() splits on."""
     return c == 32 or (c >= 9 and c <= 13)
 
 
+@always_inline
 def is_punct(c: UInt8) -> Bool:
     """Python's string.punctuation."""
     return (c >= 33 and c <= 47) or (c >= 58 and c <= 64) or (c >= 91 and c <= 96) or (c >= 123 and c <= 126)
 
 
+@always_inline
 def lower(c: UInt8) -> UInt8:
     if c >= 65 and c <= 90:
         return c + 32
@@ -75,6 +78,7 @@ struct Lexicon:
         self.flags = I64Ptr(unsafe_from_address=flags_addr)
         self.codes = I64Ptr(unsafe_from_address=codes_addr)
 
+    @always_inline
     def find(self, text: U8Ptr, a: Int, b: Int) -> Int:
         var h: UInt64 = 14695981039346656037
         for p in range(a, b):
@@ -97,18 +101,21 @@ struct Lexicon:
                     return e
             slot = (slot + 1) & mask
 
+    @always_inline
     def has(self, e: Int, flag: Int) -> Bool:
         return e >= 0 and (Int(self.flags[unsafe_offset=e]) & flag) != 0
 
+    @always_inline
     def code(self, e: Int) -> Int:
         if e < 0:
             return 0
         return Int(self.codes[unsafe_offset=e])
 
 
-def tokenize(text: U8Ptr, a0: Int, b0: Int, lex: Lexicon, ent: I64Ptr, bits: I64Ptr, max_tokens: Int) -> Int:
-    """VADER's tokens of text[a0:b0] into ent (entry or -1) and bits (UPPER, NEGATED); their
-    number, or -1 when more than max_tokens."""
+def tokenize(text: U8Ptr, a0: Int, b0: Int, lex: Lexicon, ent: I64Ptr, bits: I64Ptr, max_tokens: Int,
+             want_bits: Bool) -> Int:
+    """VADER's tokens of text[a0:b0] into ent (entry or -1) and, with want_bits, bits (UPPER,
+    NEGATED); their number, or -1 when more than max_tokens."""
     var n = 0
     var p = a0
     while p < b0:
@@ -131,6 +138,10 @@ def tokenize(text: U8Ptr, a0: Int, b0: Int, lex: Lexicon, ent: I64Ptr, bits: I64
         if n >= max_tokens:
             return -1
         var entry = lex.find(text, s, e)
+        ent[unsafe_offset=n] = Int64(entry)
+        n += 1
+        if not want_bits:
+            continue
         var has_upper = False
         var has_lower = False
         var nt = False
@@ -147,9 +158,7 @@ def tokenize(text: U8Ptr, a0: Int, b0: Int, lex: Lexicon, ent: I64Ptr, bits: I64
             bit |= UPPER
         if nt or lex.has(entry, NEGATION):
             bit |= NEGATED
-        ent[unsafe_offset=n] = Int64(entry)
-        bits[unsafe_offset=n] = Int64(bit)
-        n += 1
+        bits[unsafe_offset=n - 1] = Int64(bit)
     return n
 
 
@@ -165,9 +174,11 @@ struct Words:
         self.bits = bits
         self.n = n
 
+    @always_inline
     def e(self, i: Int) -> Int:
         return Int(self.ent[unsafe_offset=i])
 
+    @always_inline
     def bit(self, i: Int, b: Int) -> Bool:
         return (Int(self.bits[unsafe_offset=i]) & b) != 0
 
@@ -322,7 +333,7 @@ def sentiment(text_addr: Int, offs_addr: Int, B: Int, slots_addr: Int, cap: Int,
     for b in range(B):
         var a0 = Int(offs[unsafe_offset=b])
         var b0 = Int(offs[unsafe_offset=b + 1])
-        var n = tokenize(text, a0, b0, lex, ent, bits, max_tokens)
+        var n = tokenize(text, a0, b0, lex, ent, bits, max_tokens, True)
         if n < 0:
             return -3
         var c = compound(Words(ent, bits, n), lex, text, a0, b0, sent, lex_val, boost, c_incr, n_scalar)
@@ -344,7 +355,8 @@ def toxicity(text_addr: Int, offs_addr: Int, B: Int, slots_addr: Int, cap: Int, 
     var ent = I64Ptr(unsafe_from_address=scratch_addr)
     var bits = ent.unsafe_offset(max_tokens)
     for b in range(B):
-        var n = tokenize(text, Int(offs[unsafe_offset=b]), Int(offs[unsafe_offset=b + 1]), lex, ent, bits, max_tokens)
+        var n = tokenize(text, Int(offs[unsafe_offset=b]), Int(offs[unsafe_offset=b + 1]), lex, ent, bits, max_tokens,
+                         False)
         if n < 0:
             return -3
         var hits = 0

@@ -15,6 +15,7 @@ Python reference), ``"mojo"`` (``KernelError`` if it cannot run) or ``"python"``
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,12 +35,9 @@ def pack_texts(texts: Sequence[str]) -> tuple[Tensor, Tensor]:
     if isinstance(texts, str):
         raise ShapeError(f"text rewards take a list of B completions, got one string {texts[:40]!r}")
     encoded = [t.encode("utf-8") for t in texts]
-    offsets = torch.zeros(len(encoded) + 1, dtype=torch.int64)
-    if encoded:
-        offsets[1:] = torch.tensor([len(e) for e in encoded], dtype=torch.int64).cumsum(0)
-    blob = b"".join(encoded)
-    data = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(1, dtype=torch.uint8)
-    return data, offsets
+    offsets = torch.tensor(list(itertools.accumulate(map(len, encoded), initial=0)), dtype=torch.int64)
+    blob = bytearray(b"".join(encoded)) or bytearray(1)
+    return torch.frombuffer(blob, dtype=torch.uint8), offsets
 
 
 def fnv1a(word: bytes) -> int:

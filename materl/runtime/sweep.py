@@ -207,11 +207,23 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), sweep_overrides:
     return sweep
 
 
+def _grid_sampler(optuna):
+    class AskTellGrid(optuna.samplers.GridSampler):
+        """Optuna's GridSampler, whose ``after_trial`` ends an ``optimize`` loop with
+        ``study.stop()`` once the grid is covered (an error outside ``optimize``); this
+        ask-and-tell loop stops itself after the grid's size (``_total``)."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            pass
+
+    return AskTellGrid
+
+
 def _study(sweep: Sweep):
     optuna = import_optuna()
     spec = sweep.spec
     if spec.sampler == "grid":
-        sampler = optuna.samplers.GridSampler({k: list(v.choices) for k, v in sweep.dists.items()}, seed=spec.seed)
+        sampler = _grid_sampler(optuna)({k: list(v.choices) for k, v in sweep.dists.items()}, seed=spec.seed)
     elif spec.sampler == "random":
         sampler = optuna.samplers.RandomSampler(seed=spec.seed)
     else:
