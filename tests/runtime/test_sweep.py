@@ -76,15 +76,23 @@ def test_pruned_trials_stop_early(tmp_path):
     assert rows[1e-4]["state"] == "pruned" and rows[1e-4]["steps"] == 1  # reported once, then rejected
 
 
-def test_tpe_with_median_pruning(tmp_path):
-    path = write(tmp_path, {"sampler": "tpe", "pruner": "median", "n_trials": 3,
-                            "pruner_params": {"n_startup_trials": 1, "n_warmup_steps": 0},
-                            "space": {"compile.lr": {"low": 1e-5, "high": 1e-2, "log": True}}})
-    result = run_sweep(path, say=lambda _: None)
-    assert len(result["trials"]) == 3
-    assert {r["state"] for r in result["trials"]} <= {"complete", "pruned"}
-    assert result["best"]["value"] == max(r["value"] for r in result["trials"] if r["state"] == "complete")
-    assert all(1e-5 <= r["params"]["compile.lr"] <= 1e-2 for r in result["trials"])
+def test_the_example_sweep_tpe_with_median_pruning(tmp_path):
+    """examples/configs/tiny_sweep.yaml, made smaller: Optuna's TPE and MedianPruner on eval/reward."""
+    example = Path(__file__).resolve().parents[2] / "examples" / "configs" / "tiny_sweep.yaml"
+    result = run_sweep(example, ["train.steps=2", "data.train_size=16"], sweep_overrides=[
+        f"sweep.dir={tmp_path / 's'}", "sweep.n_trials=3", "sweep.pruner_params.n_startup_trials=1",
+        "sweep.pruner_params.n_warmup_steps=0"], say=lambda _: None)
+    rows = result["trials"]
+    assert len(rows) == 3 and {r["state"] for r in rows} <= {"complete", "pruned"}
+    assert rows[0]["state"] == "complete"  # the pruner's startup trial
+    for r in rows:
+        assert 1e-5 <= r["params"]["compile.lr"] <= 1e-2 and r["params"]["compile.group_size"] in (2, 4)
+        evals = metric_values(Path(r["run_dir"]), "eval/reward")
+        if r["state"] == "complete":  # every evaluation reported; the value is the last one
+            assert r["value"] == evals[max(evals)] and r["steps"] == len(evals) == 3
+        else:  # reported up to the step the pruner rejected it at; Optuna keeps that value
+            assert r["value"] in evals.values() and r["steps"] <= len(evals)
+    assert result["best"]["value"] == max(r["value"] for r in rows if r["state"] == "complete")
 
 
 @pytest.mark.parametrize("space, message", [
