@@ -146,3 +146,18 @@ def test_ctrl_c_then_resume(tmp_path):
     evals = metric_values(tmp_path / "s" / "trial_001", "eval/reward")
     assert sorted(evals) == [0, 10, 20, 30, 40] and trials[2].value == evals[40]
     assert "trial 1 was interrupted" in done.stdout
+
+
+def test_trials_on_a_ray_cluster(tmp_path):
+    """backend: ray: each trial's process is started by a Ray actor (a local cluster here)."""
+    pytest.importorskip("ray")
+    path = write(tmp_path, {"sampler": "grid", "pruner": "none", "parallel": 2, "backend": "ray",
+                            "space": {"compile.group_size": [2, 4]}}, steps=1)
+    result = run_sweep(path, say=lambda _: None)
+    assert sorted(r["params"]["compile.group_size"] for r in result["trials"]) == [2, 4]
+    for r in result["trials"]:
+        evals = metric_values(Path(r["run_dir"]), "eval/reward")
+        assert r["state"] == "complete" and r["value"] == evals[1]
+    import ray
+
+    assert not ray.is_initialized()  # the cluster the sweep started is shut down
