@@ -6,7 +6,7 @@
 The same numbers, bit for bit, as the Python rewards of ``materl.ops.text_rewards`` (whose
 docstring defines the tokens, the VADER rules kept and the scores). The texts travel as one
 uint8 buffer of their UTF-8 bytes with B + 1 offsets (``pack_texts``); the word lists as one
-open-addressing hash table (``table()``, built once per process from the packaged lexicons).
+open-addressing hash table (``table(reward)``, built once per process from the packaged lexicons).
 
 ``impl``: ``"auto"`` (the Mojo kernel ``kernels/text_rewards.mojo`` when it builds, else the
 Python reference), ``"mojo"`` (``KernelError`` if it cannot run) or ``"python"``.
@@ -60,9 +60,13 @@ class Table:
     booster: Tensor  # (E,) float64
 
 
-@functools.lru_cache(maxsize=1)
-def table() -> Table:
+@functools.lru_cache(maxsize=2)
+def table(which: str = "sentiment") -> Table:
+    """The words ``which`` reward looks up: every entry for sentiment, the listed words for
+    toxicity (a table of ~900 words stays in the L1/L2 cache while a batch streams through)."""
     entries, _ = T.lexicon()
+    if which == "toxicity":
+        entries = {w: e for w, e in entries.items() if e.flags & T.TOXIC}
     words = list(entries)
     cap = 2
     while cap < 2 * len(words):
@@ -107,7 +111,7 @@ def _run(kernel: loader.Kernel, op: str, texts: Sequence[str], extra: tuple, sig
     max_tokens = int(lengths.max()) // 2 + 1 if len(lengths) else 1
     scratch = torch.empty(3 * max_tokens, dtype=torch.int64)
     out = torch.empty(len(texts), dtype=torch.float64)
-    t = table()
+    t = table(op)
     rc = kernel.function(op, signature)(
         data.data_ptr(), offs.data_ptr(), len(texts), t.slots.data_ptr(), len(t.slots), t.keys.data_ptr(),
         t.key_offs.data_ptr(), t.flags.data_ptr(), t.codes.data_ptr(), *extra, scratch.data_ptr(), max_tokens,
@@ -123,7 +127,7 @@ def sentiment(texts: Sequence[str], *, target="positive", impl: str = "auto") ->
     kernel = _kernel("sentiment", impl)
     if kernel is None:
         return torch.tensor(T.sentiment(completions=texts, target=target), dtype=torch.float64)
-    tab, (_, k) = table(), T.lexicon()
+    tab, (_, k) = table("sentiment"), T.lexicon()
     extra = (tab.valence.data_ptr(), tab.booster.data_ptr(), k.c_incr, k.n_scalar, t)
     return _run(kernel, "sentiment", texts, extra, "iiiiiiiiiiifffiii")
 

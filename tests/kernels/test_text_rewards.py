@@ -62,10 +62,13 @@ def test_bad_arguments_are_named():
         K.sentiment(["good"], target="happy")
 
 
-def test_table_finds_every_word():
-    table, words = K.table(), list(T.lexicon()[0])
+@pytest.mark.parametrize("which", ["sentiment", "toxicity"])
+def test_table_finds_every_word(which):
+    table = K.table(which)
+    words = [w for w, e in T.lexicon()[0].items() if which == "sentiment" or e.flags & T.TOXIC]
+    assert len(table.flags) == len(words) and (which == "sentiment" or bool((table.flags & T.TOXIC).all()))
     cap = len(table.slots)
-    for k in (0, 1, len(words) // 2, len(words) - 1):
+    for k in range(0, len(words), 7):
         slot = K.fnv1a(words[k]) & (cap - 1)
         while int(table.slots[slot]) != k:
             assert int(table.slots[slot]) >= 0, f"{words[k]!r} not found"
