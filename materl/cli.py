@@ -6,6 +6,7 @@
     materl recipes [NAME] [--tool SERVER]                  list built-in recipes / print one's graph
     materl tools COMMAND...                                list an MCP server's tools
     materl compare RUN_DIR RUN_DIR ... [--metrics reward,loss] [--out compare.png]
+    materl sweep CONFIG.yaml [--set sweep.parallel=2 ...]  Optuna sweep of train runs (runtime/sweep.py)
     materl bench kernels                                   kernel benchmarks
 
 Errors materl raises on purpose (``MaterlError``) print their message to stderr (the first line
@@ -107,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--columns", default="final,best", metavar="COLUMNS",
                    help="comma-separated columns per run: final, best, first, mean (default: final,best)")
     c.set_defaults(func=cmd_compare)
+
+    sw = sub.add_parser("sweep", help="a hyperparameter sweep of train runs (grid, random or Optuna TPE, pruned)")
+    sw.add_argument("config", help="a train config with a 'sweep' section (see examples/configs/tiny_sweep.yaml)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value, e.g. --set sweep.parallel=2 or --set train.steps=4")
+    sw.set_defaults(func=cmd_sweep)
 
     b = sub.add_parser("bench", help="run benchmarks")
     b.add_argument("what", choices=["kernels"])
@@ -225,6 +232,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
     table, plot = compare(args.run_dirs, metrics=metrics, out=args.out, columns=columns)
     print(table)
     print(f"plot: {plot}" if plot is not None else "plot: none (no metric to draw; choose some with --metrics)")
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from materl.runtime.sweep import run_sweep
+
+    sweep_sets = [o for o in args.overrides if o.startswith("sweep.")]
+    result = run_sweep(args.config, [o for o in args.overrides if not o.startswith("sweep.")],
+                       sweep_overrides=sweep_sets, say=lambda line: print(line, flush=True))
+    print(result["table"])
+    if result["best"] is not None:
+        print(f"best: trial {result['best']['number']} ({result['best']['value']:.4g}) in {result['best']['run_dir']}")
+    if result["compare"] is not None:
+        print(result["compare"])
+        print(f"plot: {result['plot']}")
     return 0
 
 

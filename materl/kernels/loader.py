@@ -60,6 +60,8 @@ KERNEL_OPS = {
     "length": "rewards",
     "pattern_match": "rewards",
     "reward_chain": "rewards",
+    "sentiment": "text_rewards",
+    "toxicity": "text_rewards",
     "policy_loss": "policy_loss",
     "grpo_advantages": "advantages",
     "rloo_advantages": "advantages",

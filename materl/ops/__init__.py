@@ -8,3 +8,4 @@ advantage estimator (``step_credit``).
 
 from materl.ops import reward_builtins  # noqa: F401,E402  (registers the built-in rewards and aggregators)
 from materl.ops import step_credit  # noqa: F401,E402  (registers the "process" advantage estimator)
+from materl.ops import text_rewards  # noqa: F401,E402  (registers the sentiment and toxicity rewards)

@@ -384,6 +384,19 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     to the config file. Raises ConfigError (missing file, bad YAML, bad override, bad value).
     """
     path = Path(path)
+    data = read_config_data(path)
+    for item in overrides:
+        apply_override(data, item)
+    resolve_data_source(data, path.parent)
+    cfg = validate_config(data, where=str(path))
+    cfg._base_dir = path.resolve().parent
+    return cfg
+
+
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """The YAML mapping of a config file, unvalidated; ConfigError for a missing file, text that
+    is not UTF-8, bad YAML, a key written twice or a top level that is not a mapping."""
+    path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -403,12 +416,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
-    for item in overrides:
-        apply_override(data, item)
-    _resolve_data_source(data, path.parent)
-    cfg = validate_config(data, where=str(path))
-    cfg._base_dir = path.resolve().parent
-    return cfg
+    return data
 
 
 def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
@@ -472,7 +480,8 @@ def _check_model(name: str) -> str:
                      f"{did_you_mean(name, NAMED_MODELS.names())}; named models: {', '.join(NAMED_MODELS.names())}")
 
 
-def _resolve_data_source(data: dict[str, Any], config_dir: Path) -> None:
+def resolve_data_source(data: dict[str, Any], config_dir: Path) -> None:
+    """A relative ``data.source`` not found from the working directory, made relative to ``config_dir``."""
     section = data.get("data")
     source = section.get("source") if isinstance(section, dict) else None
     if not isinstance(source, str) or source in DATA_GENERATORS or is_task_source(source) or Path(source).is_absolute():

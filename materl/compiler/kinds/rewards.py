@@ -9,7 +9,8 @@ totals stay per token, and a per-completion total lands on the last trained toke
 or a per-token tensor as long as the completion when any term is step- or token-level.
 
 The Mojo implementation computes the built-in terms it can fuse (length, repetition, diversity,
-pattern match) in one kernel call and hands their scores to the same sum.
+pattern match) in one kernel call, and sentiment and toxicity with the text kernels, and hands
+their scores to the same sum.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
 from materl.errors import CompileError, ShapeError
 from materl.graph.node import Node
 from materl.kernels.fusion import RewardChain, fusable
+from materl.kernels import loader
 from materl.kernels.rewards import pad_ids
+from materl.kernels.text_rewards import TEXT_KERNELS
 from materl.ops._masked import place_on_last_trained
 from materl.ops.rewards import Reward, RewardSum
 from materl.rollout.episode import StepResult
@@ -212,30 +215,47 @@ def reward_chain(node: Node):
     return _chain(tuple((terms[i]["fn"], tuple(sorted(terms[i].get("params", {}).items()))) for i in fusable_terms(node)))
 
 
+def text_terms(node: Node) -> list[int]:
+    """Indices of the terms the text kernels compute (sentiment, toxicity) scoring a rollout."""
+    allowed = {"sentiment": {"target"}, "toxicity": set()}
+    return [i for i, t in enumerate(node.params["terms"]) if isinstance(t.get("fn"), str) and t["fn"] in allowed
+            and "step" not in t and "rollout" in t and set(t.get("params", {})) <= allowed[t["fn"]]]
+
+
 def _fused_when(node: Node, options) -> str | None:
-    if not fusable_terms(node):
+    if not fusable_terms(node) and not text_terms(node):
         return NOT_FOR
     try:
-        reward_chain(node)
+        if fusable_terms(node):
+            reward_chain(node)
+        if text_terms(node):
+            kernel, why = loader.load_or_reason("text_rewards")
+            if kernel is None:
+                return why
     except Exception as e:  # noqa: BLE001 - the reason explain() shows
         return f"{type(e).__name__}: {e}".splitlines()[0]
     return None
 
 
 async def fused_score(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list:
-
+    terms, given = node.params["terms"], {}
     fused = fusable_terms(node)
-    rollouts = [as_rollout(x) for x in inputs[node.params["terms"][fused[0]]["rollout"]]]
-    _, parts = reward_chain(node)(*pad_ids([r.completion_ids for r in rollouts]))
-    return await score(run, node, eps, inputs, given=dict(zip(fused, parts.values())))
+    if fused:
+        rollouts = [as_rollout(x) for x in inputs[terms[fused[0]]["rollout"]]]
+        _, parts = reward_chain(node)(*pad_ids([r.completion_ids for r in rollouts]))
+        given.update(zip(fused, parts.values()))
+    for i in text_terms(node):  # one kernel call per term over the batch's texts (the texts the python impl scores)
+        texts = [as_rollout(x).text for x in inputs[terms[i]["rollout"]]]
+        given[i] = TEXT_KERNELS[terms[i]["fn"]](texts, impl="mojo", **terms[i].get("params", {}))
+    return await score(run, node, eps, inputs, given=given)
 
 
 def _describe(node: Node, impl: str) -> str:
     if impl != "mojo-fused":
         return ""
     terms = node.params["terms"]
-    return (f"fused: {' + '.join(terms[i]['label'] for i in fusable_terms(node))} in %{node.name} "
-            f"(one Mojo kernel call per batch of episodes)")
+    labels = [terms[i]["label"] for i in fusable_terms(node) + text_terms(node)]
+    return f"fused: {' + '.join(labels)} in %{node.name} (Mojo kernel calls per batch of episodes)"
 
 
 # -- filters ------------------------------------------------------------------------------------
