@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set train.steps=3 (repeatable)")
     _placement_flags(t)
+    _memory_flags(t)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
@@ -118,6 +119,16 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
                    help="compute dtype (weights and optimizer state stay float32; default: bf16 on CUDA)")
 
 
+def _memory_flags(p: argparse.ArgumentParser) -> None:
+    """The learner's memory options (docs/scaling-up.md), as ``--set compile.<option>=...``."""
+    p.add_argument("--gradient-checkpointing", dest="overrides", action=_AsOverride, nargs=0, const="true",
+                   key="compile.gradient_checkpointing", help="recompute decoder layers in the backward")
+    p.add_argument("--max-tokens-per-micro-batch", dest="overrides", action=_AsOverride, metavar="N",
+                   key="compile.max_tokens_per_micro_batch", help="pack rows into micro-batches of N tokens")
+    p.add_argument("--optimizer", dest="overrides", action=_AsOverride, key="compile.optimizer",
+                   choices=["adamw", "adamw_8bit", "sgd"], help="optimizer and where its state lives")
+
+
 class _AsOverride(argparse.Action):
     """A flag that appends ``key=value`` to the ``--set`` overrides (validated with them)."""
 
@@ -126,6 +137,7 @@ class _AsOverride(argparse.Action):
         self.key = key
 
     def __call__(self, parser, namespace, value, option_string=None):
+        value = self.const if self.nargs == 0 else value  # a switch (--gradient-checkpointing)
         items = [*(getattr(namespace, self.dest, None) or []), f"{self.key}={value}"]  # never the shared default
         setattr(namespace, self.dest, items)
 

@@ -24,6 +24,9 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     m |= _rewards(plan, ok)
     rollouts = [r for r in (rollout_of(e) for e in ok) if r is not None]
     m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
+    truncated = sum(r.metadata.get("truncated") == "context" for r in rollouts)
+    if truncated or any(plan.nodes[n].op == "generate_step" for n in plan.episode):
+        m["episodes/truncated_context"] = float(truncated)
     results = [x for r in rollouts for x in r.tool_results]
     if results or plan.calls_tools():  # every step of a tool recipe has both: 0 and 0 without a call
         m["tool_calls"] = len(results) / max(1, len(rollouts))

@@ -44,7 +44,9 @@ async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_re
         state = dc_replace(state, done=True)
     return await generate_step(agent.engine, agent.tokenizer, state, tool_responses,
                                sampling(run, node, ep.seed, turn), parser=node.params.get("parser", "auto"),
-                               max_tool_output_tokens=run.options.max_tool_output_tokens)
+                               max_tool_output_tokens=run.options.max_tool_output_tokens,
+                               max_context=getattr(agent, "context_length", None),
+                               context_limit=run.options.context_limit)
 
 
 async def structure_rollout(run: Run, node: Node, ep: Episode, *parts) -> Rollout:
