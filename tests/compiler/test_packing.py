@@ -37,7 +37,8 @@ def test_split_fills_each_micro_batch_up_to_the_budget_in_order_and_a_long_row_g
     # 5+3 = 8 fits; 4 then 12 > 8 starts anew and is alone (never split); 2+2 = 4
     assert [m.tolist() for m in mb.split(torch.arange(6))] == [[0, 1], [2], [3], [4, 5]]
     # a row limit on top of the budget
-    assert [m.tolist() for m in MicroBatching(rows=1, tokens=8, lengths=lengths).split(torch.tensor([4, 5]))] == [[4], [5]]
+    one_row = MicroBatching(rows=1, tokens=8, lengths=lengths)
+    assert [m.tolist() for m in one_row.split(torch.tensor([4, 5]))] == [[4], [5]]
     # without a budget: rows only, as micro_batch_size always cut them
     assert [m.tolist() for m in MicroBatching(rows=4).split(torch.arange(6))] == [[0, 1, 2, 3], [4, 5]]
 
