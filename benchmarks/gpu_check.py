@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0,
                     help="no piece starts past this (a started one finishes: keep ~60 s of margin)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "decode", "grpo", "trl", "learner"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["tests", "decode", "grpo", "trl", "learner", "scale"])
     args = ap.parse_args(argv)
     os.environ.setdefault("MODULAR_TELEMETRY_ENABLED", "0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
@@ -355,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if "learner" not in args.skip:
         report.guarded("learner", step_shape, lambda: learner_rows(report, step_shape, device, tokenizer, new_tokens,
                                                                    repeats=1 if args.dry_run else 3), needs_s=60)
+    if "scale" not in args.skip:  # issue #39: 7B / 16k-token fits, packed vs padded, 8-bit AdamW
+        __import__("gpu_learner").scale_rows(report, device, dry_run=args.dry_run)
     decode(batches[1:])
     print("\n## materl GPU check\n")
     print(report.summary())

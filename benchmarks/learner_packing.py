@@ -16,6 +16,7 @@ in one process, side by side. ``memory``: each configuration in its own process 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import resource
 import subprocess
@@ -49,35 +50,55 @@ def episodes(n: int, lengths: list[int], vocab: int, seed: int):
     return out
 
 
-def learner_step(model: str, eps, options: dict, *, lora: bool = False) -> tuple[float, dict]:
-    """Seconds of one learner step (prepare + update) over ``eps`` and its metrics."""
+@functools.cache
+def recipe(kl: bool = True):
+    """GRPO's learner side: the policy's log-probs, the advantages, and (``kl``) a k3 KL to a frozen
+    reference (prepare then runs the reference's forward)."""
     import materl as ml
-    from materl.compiler.compiled import Compiled
-    from materl.compiler.context import Run
-    from materl.compiler.learner import Learner
-    from materl.compiler.options import CompileOptions
 
     @ml.recipe
     def grpo(policy, ref_policy, prompts):
         completions = ml.generate(policy, prompts, name="completions")
         logp = ml.logprobs(policy, prompts, completions, name="policy_logprobs")
-        ref = ml.logprobs(ref_policy, prompts, completions, name="ref_logprobs")
+        ref = ml.logprobs(ref_policy, prompts, completions, name="ref_logprobs") if kl else None
         adv = ml.advantages(ml.reward("length", name="rewards"), name="advantages")
-        ml.set_loss(ml.policy_loss(adv, logp, ref, kl="k3", kl_coef=0.04))
+        ml.set_loss(ml.policy_loss(adv, logp, ref, kl="k3" if kl else None, kl_coef=0.04 if kl else 0.0))
 
-    agents = learner_step.agents = getattr(learner_step, "agents", None) or {
-        "policy": ml.Agent(model, trainable=True, engine="transformers", lora=dict(r=16) if lora else None),
-        "ref_policy": ml.Agent(model, engine="transformers")}
-    compiled = Compiled(grpo, agents, CompileOptions(**options))
+    return grpo
+
+
+def run_learner(agents: dict, eps, options: dict, *, kl: bool = True) -> tuple[float, dict]:
+    """Seconds of one learner step (prepare + update + optimizer step) over ``eps`` and its metrics."""
+    from materl.compiler.compiled import Compiled
+    from materl.compiler.context import Run
+    from materl.compiler.learner import Learner
+    from materl.compiler.options import CompileOptions
+
+    compiled = Compiled(recipe(kl), agents, CompileOptions(**options))
     try:
         learner = Learner(Run(compiled.context(), agents), eps, compiled.optimizer_set)
         t0 = time.perf_counter()
         compiled.call_blocking(learner.prepare)
         metrics = learner.run_updates()
+        if agents["policy"].device.type == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - t0, metrics
     finally:
         agents["policy"].set_gradient_checkpointing(False)
         compiled.close()
+
+
+_AGENTS: dict = {}
+
+
+def learner_step(model: str, eps, options: dict) -> tuple[float, dict]:
+    """``run_learner`` with the named model as policy and reference (loaded once per process)."""
+    import materl as ml
+
+    if model not in _AGENTS:
+        _AGENTS[model] = {"policy": ml.Agent(model, trainable=True, engine="transformers"),
+                          "ref_policy": ml.Agent(model, engine="transformers")}
+    return run_learner(_AGENTS[model], eps, options)
 
 
 def part_time(args) -> None:
