@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="no piece starts past this (a started one finishes: keep ~90 s of margin)")
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
     ap.add_argument("--skip", nargs="*", default=[],
-                    choices=["tests", "decode", "agentic", "grpo", "trl", "learner", "compile"])
+                    choices=["tests", "decode", "agentic", "grpo", "trl", "learner", "compile", "scale"])
     args = ap.parse_args(argv)
     os.environ.setdefault("MODULAR_TELEMETRY_ENABLED", "0")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"))
@@ -436,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(device)
     if "tests" not in skip and not dry:
         report.guarded("tests", "pytest -m gpu", lambda: run_tests(report, timeout_s=110.0))
+    if "scale" not in skip:  # issue #39: 7B / 16k-token fits, packed vs padded, 8-bit AdamW
+        __import__("gpu_learner").scale_rows(report, device, dry_run=dry)
     wide = runs if dry else ("HF static cache + compile", "materl device loop (graph)")  # each compile ~40 s
     for shape in (big,) if dry else (big, small):
         decode(shape, 4 if dry else 64, wide)

@@ -172,6 +172,14 @@ class Agent:
             self._engine.weights_version = self._policy_version
 
     @property
+    def context_length(self) -> int | None:
+        """The model's context in tokens (its config's ``max_position_embeddings``; None when it
+        does not say). Multi-turn episodes end before a turn that would not fit."""
+        config = getattr(_models.causal_lm_of(self.model), "config", None)
+        n = getattr(config, "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
+
+    @property
     def loaded(self) -> bool:
         return self._model is not None
 
@@ -205,14 +213,17 @@ class Agent:
 
     # -- what the learner uses -------------------------------------------------------------
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                      position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Last hidden layer of the backbone (after the final norm), (B, L, H).
 
         logits = hidden @ W.T (+ b) with ``W, b = output_embedding()``; positions are
         ``cumsum(mask) - 1`` so left- and right-padded batches agree with the engine.
-        Works through LoRA (peft) and value-head wrappers.
+        Packed rows (``materl.compiler.packing``): ``attention_mask=None`` (or a prepared 4D mask)
+        and ``position_ids`` restarting at 0 on each row. Works through LoRA (peft) and value-head
+        wrappers.
         """
-        return _models.backbone_hidden_states(self.model, input_ids, attention_mask)
+        return _models.backbone_hidden_states(self.model, input_ids, attention_mask, position_ids)
 
     def shared_prefix_hidden_states(self, prefix_ids, prefix_mask, owner, suffix_ids, suffix_mask):
         """Hidden states of rows that continue shared prompts, each prompt run once; see
@@ -251,6 +262,30 @@ class Agent:
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
         return self.model.load_state_dict(state_dict, strict=strict)
 
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether the decoder layers recompute their activations in the backward."""
+        return self.loaded and any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())
+
+    def set_gradient_checkpointing(self, on: bool) -> None:
+        """Recompute each decoder layer's activations in the backward (``on``) instead of keeping
+        them: HF's per-layer checkpointing, non-reentrant (``torch.utils.checkpoint``), so it
+        composes with LoRA, autocast and DDP/FSDP2; the learner's lean layer-by-layer forward
+        (``materl.engines.decoder_forward``) steps aside for it. (TRL/verl:
+        ``gradient_checkpointing=True`` / ``enable_gradient_checkpointing``.)"""
+        lm = _models.causal_lm_of(self.model)
+        if not getattr(lm, "supports_gradient_checkpointing", False):
+            raise ConfigError(f"gradient_checkpointing=True: agent {self.name!r}'s model {type(lm).__name__} does "
+                              f"not support gradient checkpointing; compile with gradient_checkpointing=False")
+        kwargs = {"use_reentrant": False}
+        if on and hasattr(lm, "activation_checkpointing_enable"):  # transformers >= 5.2x's name
+            lm.activation_checkpointing_enable(kwargs)
+        elif on:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        elif self.gradient_checkpointing:
+            disable = getattr(lm, "activation_checkpointing_disable", None)
+            (disable or lm.gradient_checkpointing_disable)()
+
     def copy(self, trainable: bool = False) -> "Agent":
         """An independent Agent with a deep copy of the current weights (a reference snapshot);
         only the tokenizer, which is never mutated, is shared."""
@@ -260,6 +295,8 @@ class Agent:
         clone._engine = None
         clone._model = None
         clone._adopt(_copy.deepcopy(self.model))
+        if not clone.trainable:
+            clone.set_gradient_checkpointing(False)  # a frozen snapshot never runs a backward
         return clone
 
     def chat_ids(self, messages: list[dict], *, tools: list | None = None,

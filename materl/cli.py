@@ -67,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["process", "sum"],
                    help="how step rewards are credited under grpo/dr_grpo where the recipe does not say "
                         "(= --set compile.step_credit=...; default: process)")
+    _memory_flags(t)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
@@ -142,6 +143,14 @@ def _early_stopping_flags(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="evaluations without improvement before stopping (default 3)")
     p.add_argument("--min-delta", dest="overrides", action=_AsOverride, key="train.early_stopping.min_delta",
                    metavar="X", help="the least change that counts as an improvement (default 0)")
+def _memory_flags(p: argparse.ArgumentParser) -> None:
+    """The learner's memory options (docs/scaling-up.md), as ``--set compile.<option>=...``."""
+    p.add_argument("--gradient-checkpointing", dest="overrides", action=_AsOverride, nargs=0, const="true",
+                   key="compile.gradient_checkpointing", help="recompute decoder layers in the backward")
+    p.add_argument("--max-tokens-per-micro-batch", dest="overrides", action=_AsOverride, metavar="N",
+                   key="compile.max_tokens_per_micro_batch", help="pack rows into micro-batches of N tokens")
+    p.add_argument("--optimizer", dest="overrides", action=_AsOverride, key="compile.optimizer",
+                   choices=["adamw", "adamw_8bit", "sgd"], help="optimizer and where its state lives")
 
 
 class _AsOverride(argparse.Action):
@@ -152,6 +161,7 @@ class _AsOverride(argparse.Action):
         self.key = key
 
     def __call__(self, parser, namespace, value, option_string=None):
+        value = self.const if self.nargs == 0 else value  # a switch (--gradient-checkpointing)
         items = [*(getattr(namespace, self.dest, None) or []), f"{self.key}={value}"]  # never the shared default
         setattr(namespace, self.dest, items)
 

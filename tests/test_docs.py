@@ -84,7 +84,8 @@ def blocks(page: Path) -> list[Block]:
 def test_every_page_has_blocks_and_every_block_a_language():
     assert [p.name for p in PAGES] == ["agents.md", "checkpoints-and-export.md", "concepts.md", "configs-and-cli.md",
                                        "environments.md", "gpu.md", "index.md", "kernels.md", "off-policy.md", "recipes.md",
-                                       "reward-shaping.md", "scaling-out.md", "tool-use.md"]
+                                       "reward-shaping.md", "scaling-out.md", "scaling-up.md",
+                                       "tool-use.md"]
     for page in PAGES:
         found = blocks(page)
         assert found, f"docs/{page.name} has no code blocks"

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_dry_run_prints_every_section(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--skip", "trl", "--out", str(out)],
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--skip", "trl", "scale", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = proc.stdout.split("## materl GPU check", 1)[1]

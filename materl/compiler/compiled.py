@@ -75,6 +75,10 @@ class Compiled:
         self.optimizer_set = Optimizers.for_agents(agents, options)
         self.optimizers = self.optimizer_set.by_agent  # name -> torch optimizer (checkpoints read these)
         self.references = reference_pairs(self.plan, agents, options)
+        if options.gradient_checkpointing and not rollout_only:
+            for agent in agents.values():
+                if agent.trainable:
+                    agent.set_gradient_checkpointing(True)
         torch.manual_seed(options.seed)
 
     # -- public --

@@ -38,6 +38,7 @@ from materl.compiler import graphs
 from materl.compiler.batch import LearnerBatch, RowMap
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, as_rollout
+from materl.compiler.packing import MicroBatching
 from materl.compiler.scheduler import call_batch
 from materl.compiler.sequences import SeqBatch, build_seq_batch
 from materl.compiler.spec import Kind, Role, output_of
@@ -59,8 +60,9 @@ class OptimizerStep(Protocol):
 class Partition(Protocol):
     """How one process takes part in each mini-batch update."""
 
-    def micro_batches(self, rows: Tensor, micro: int) -> list[Micro]:
-        """The micro-batches this process runs for mini-batch ``rows`` (global row indices)."""
+    def micro_batches(self, rows: Tensor, micro: MicroBatching) -> list[Micro]:
+        """The micro-batches this process runs for mini-batch ``rows`` (global row indices), cut
+        by ``micro`` (rows per micro-batch, or a token budget: ``materl.compiler.packing``)."""
 
     def denominators(self, learner: Learner, rows: Tensor) -> Denominators:
         """The token and sequence counts of the WHOLE mini-batch ``rows`` (every process's)."""
@@ -83,8 +85,8 @@ class Partition(Protocol):
 class WholeBatch:
     """One process computes every row: the single-process learner."""
 
-    def micro_batches(self, rows: Tensor, micro: int) -> list[Micro]:
-        return [(rows[i:i + micro], 1.0) for i in range(0, len(rows), micro)]
+    def micro_batches(self, rows: Tensor, micro: MicroBatching) -> list[Micro]:
+        return [(idx, 1.0) for idx in micro.split(rows)]
 
     def denominators(self, learner: Learner, rows: Tensor) -> Denominators:
         return learner.denominators(rows)
@@ -203,7 +205,7 @@ class Learner:
         o, part = self.run.options, self.partition
         n = len(self.batch)
         mini = o.mini_batch_size or n
-        micro = o.micro_batch_size or mini
+        micro = self.micro_batching()
         gen = torch.Generator().manual_seed(o.seed + self.run.ctx.step)
         sums: dict[str, float] = {}
         count, grad_norm = 0, 0.0
@@ -249,6 +251,19 @@ class Learner:
         for k, v in metrics.items():
             sums[k] = sums.get(k, 0.0) + v * (share if not k.startswith("loss") else 1.0)
         sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())
+
+    def micro_batching(self) -> MicroBatching:
+        """How mini-batches are cut: ``micro_batch_size`` rows, or with ``max_tokens_per_micro_batch``
+        by tokens (each row's prompt + completion over every row set the forwards read), keeping
+        groups whole when a group-scoped node runs in the update."""
+        o = self.run.options
+        if o.max_tokens_per_micro_batch is None:
+            return MicroBatching(rows=o.micro_batch_size or o.mini_batch_size)
+        lengths = sum(sb.lengths.cpu() for _, sb in self.batch.sequence_items())
+        whole_groups = any(self.plan.nodes[n].scope == "group" for n in self.plan.update)
+        return MicroBatching(rows=o.micro_batch_size, tokens=o.max_tokens_per_micro_batch,
+                             lengths=lengths if isinstance(lengths, Tensor) else None,
+                             groups=self.batch.group_ids.cpu() if whole_groups else None)
 
     def denominators(self, rows: Tensor) -> Denominators:
         """Global token and sequence counts of a mini-batch, per completion set."""

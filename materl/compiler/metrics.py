@@ -36,6 +36,9 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     if turns:  # the engine keeps KV across turns (the device loop): what each turn computed vs reused
         m["engine/prefilled_tokens"] = float(sum(t["prefilled"] for t in turns))
         m["engine/reused_tokens"] = float(sum(t["reused"] for t in turns))
+    truncated = sum(r.metadata.get("truncated") == "context" for r in rollouts)
+    if truncated or any(plan.nodes[n].op == "generate_step" for n in plan.episode):
+        m["episodes/truncated_context"] = float(truncated)
     for e in episodes:
         for k, v in e.timings.items():
             m[f"time/node/{k}"] = m.get(f"time/node/{k}", 0.0) + v / max(1, len(episodes))

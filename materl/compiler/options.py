@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from materl.errors import ConfigError
 from materl.ops.advantages import ADVANTAGES
@@ -35,6 +35,9 @@ class CompileOptions(BaseModel):
     tool_timeout_s: float = Field(30.0, gt=0.0, description="per tool call, for servers and toolboxes that set none")
     max_tool_output_tokens: int | None = Field(2048, ge=1, description="tool output cut to this many tokens, "
                                                                        "with a marker; null: no cap")
+    context_limit: Literal["end", "fail"] = Field(
+        "end", description="a multi-turn episode whose next turn would exceed the model's context (prompt so far + "
+        "max_new_tokens): 'end' ends it before that turn, truncated and scored as it stands; 'fail' fails it")
     max_failed_fraction: float = Field(0.5, ge=0.0, le=1.0,
                                        description="a step in which more episodes fail stops the run")
     system_prompt: str | None = None
@@ -53,7 +56,9 @@ class CompileOptions(BaseModel):
                                                    "max_staleness); re-runs and resumes repeat every batch")
     # learner
     lr: float = Field(1e-6, ge=0.0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    optimizer: Literal["adamw", "adamw_8bit", "sgd"] = Field(
+        "adamw", description="adamw: fp32 state on the weights' device; adamw_8bit: torchao's 8-bit AdamW state "
+        "(a quarter of the memory)")
     value_lr: float | None = Field(None, ge=0.0, description="default: lr")
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -61,6 +66,12 @@ class CompileOptions(BaseModel):
     epochs: int = Field(1, ge=1, description="passes over each rollout batch (PPO epochs)")
     mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step; default: the batch")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward/backward; default: the mini-batch")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="pack rows end to end (no padding computed) into micro-batches of at most this "
+        "many tokens (prompt + completion; a longer row goes alone); null: padded micro-batches of "
+        "micro_batch_size rows")
+    gradient_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                         "backward instead of keeping them (trainable agents)")
     shuffle: bool = Field(False, description="shuffle rows between epochs (seeded)")
     logprob_chunk_size: int = Field(1024, ge=1, description="rows of the (tokens x vocab) matrix held at once")
     share_prompts: bool = Field(True, description="rows with the same prompt run it once in the learner")
@@ -75,6 +86,14 @@ class CompileOptions(BaseModel):
     # implementation choices
     kernels: Literal["auto", "torch", "mojo"] = "auto"
     cuda_graphs: bool = False
+
+    @model_validator(mode="after")
+    def _checkpointing_graphs(self) -> CompileOptions:
+        if self.gradient_checkpointing and self.cuda_graphs:
+            raise ValueError("gradient_checkpointing=True with cuda_graphs=True is not supported: the captured "
+                             "learner graph would have to replay the recomputation inside its backward; turn one "
+                             "off (checkpointing saves memory, graphs save launch overhead on small models)")
+        return self
 
     @field_validator("betas")
     @classmethod

@@ -4,7 +4,8 @@ Sequences are right-padded ``prompt + completion``; the hidden state that predic
 token t of row i sits at ``len(prompt_i) - 1 + t`` and is gathered, so rows with prompts of
 different lengths need no position-id juggling. Rows that share a prompt (a GRPO group) run it
 once: a prefix pass fills a KV cache that their completions attend to (``completion_hidden``;
-``share_prompts=False`` turns it off).
+``share_prompts=False`` turns it off, and so does gradient checkpointing: HF's checkpointed layers
+run without a cache).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ def completion_hidden(agent, sb: SeqBatch, *, share_prompts: bool = True) -> Ten
     same values as one forward over every full row, for fewer tokens.
     """
     sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
-    if not share_prompts:
+    if not share_prompts or getattr(agent, "gradient_checkpointing", False):  # HF's checkpointed layers drop a cache
         return gather_rows(agent.hidden_states(sb.input_ids, sb.attention_mask), sb.gather_idx)
     groups_U, owner_B = sb.prompt_group.unique(return_inverse=True)
     if len(groups_U) == len(owner_B):

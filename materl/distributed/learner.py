@@ -44,7 +44,6 @@ a CUDA model also needs those moved (not done here).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
@@ -63,6 +62,7 @@ from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
 from materl.compiler.optimizers import Optimizers
 from materl.compiler.options import CompileOptions
+from materl.compiler.packing import MicroBatching
 from materl.compiler.references import reference_pairs, update_references
 from materl.distributed import state as st
 from materl.distributed.state import LearnerState, Weights
@@ -113,13 +113,13 @@ class RankPartition:
     def __init__(self, module: nn.Module, strategy: Strategy, rank: int, world_size: int):
         self.module, self.strategy, self.rank, self.world_size = module, strategy, rank, world_size
 
-    def micro_batches(self, rows: Tensor, micro: int) -> list[tuple[Tensor, float]]:
-        """Rank r's contiguous share of ``rows`` (sizes differ by at most one), in micro-batches;
-        padded with weight-0 micro-steps to the largest rank's count."""
-        shards = torch.tensor_split(rows, self.world_size)
-        steps = max(1, max(math.ceil(len(s) / micro) for s in shards))
-        mine = shards[self.rank]
-        out = [(mine[i:i + micro], 1.0) for i in range(0, len(mine), micro)]
+    def micro_batches(self, rows: Tensor, micro: MicroBatching) -> list[tuple[Tensor, float]]:
+        """Rank r's share of ``rows`` (``MicroBatching.shard``: contiguous, sizes differ by at most
+        one; with a token budget, tokens balanced), in micro-batches; padded with weight-0
+        micro-steps to the largest rank's count."""
+        shards = micro.shard(rows, self.world_size)
+        steps = max(1, max(len(micro.split(s)) for s in shards))
+        out = [(idx, 1.0) for idx in micro.split(shards[self.rank])]
         return out + [(rows[:1], 0.0)] * (steps - len(out))
 
     def denominators(self, learner: Learner, rows: Tensor) -> dict[str, dict[str, float]]:
@@ -189,6 +189,8 @@ class DistributedLearner:
         for agent in self.agents.values():
             if self.device.type != "cpu":
                 agent.to(self.device)
+            if agent.trainable and self.options.gradient_checkpointing:
+                agent.set_gradient_checkpointing(True)
         root = _Trainable({n: a.model for n, a in self.trainable.items()})
         if self.strategy == "ddp":  # DDP broadcasts rank 0's parameters and buffers here
             ids = [self.device.index] if self.device.type == "cuda" else None

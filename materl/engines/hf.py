@@ -99,12 +99,18 @@ def _add_rows(weight: torch.Tensor, alias: torch.Tensor) -> None:
         weight.grad.add_(rows)
 
 
-def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow."""
+def backbone_hidden_states(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                           position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Last hidden layer (after the final norm) of the backbone, (B, L, H); gradients flow.
+
+    Packed rows (``materl.compiler.packing``): ``attention_mask=None`` and ``position_ids`` that
+    restart at 0 on each row (transformers then builds a block-diagonal causal mask: a boolean one
+    for SDPA, a BlockMask for FlexAttention, varlen for flash attention), or a prepared 4D mask."""
     from materl.engines import decoder_forward
 
     lm = causal_lm_of(model)
-    position_ids = position_ids_from_mask(attention_mask)
+    if position_ids is None:
+        position_ids = position_ids_from_mask(attention_mask)
     if decoder_forward.supports(lm):
         return decoder_forward.decoder_forward(lm, _embeds(lm, input_ids), attention_mask, position_ids)
     out = lm.get_decoder()(**token_inputs(lm, input_ids), attention_mask=attention_mask,

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 
 from materl.engines.base import SamplingParams
-from materl.errors import EngineError
+from materl.errors import EngineError, EpisodeError
 from materl.rollout.parsers import error_result, one_call_per_turn, parse_safely
 from materl.rollout.tool_formats import choose_format
 from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes, cap_tokens
@@ -67,6 +67,7 @@ class EpisodeState:
     tools: list[dict] | None = None
     steps: list[Step] = field(default_factory=list)
     done: bool = False
+    truncated: str | None = None  # why the episode ended early ("context": the next turn would not fit)
 
     @classmethod
     def start(cls, tokenizer, prompt: Any, *, system: str | None = None, tools=None) -> EpisodeState:
@@ -84,7 +85,8 @@ class EpisodeState:
         return list(last.tool_calls) if last is not None and last.kind == "generate" else []
 
     def to_rollout(self) -> Rollout:
-        return Rollout(self.ids[: self.prompt_len], list(self.steps), messages=list(self.messages))
+        meta = {"truncated": self.truncated} if self.truncated else {}
+        return Rollout(self.ids[: self.prompt_len], list(self.steps), messages=list(self.messages), metadata=meta)
 
     @property
     def rollout(self) -> Rollout:
@@ -244,11 +246,15 @@ async def _parse(fmt, tokenizer, state: EpisodeState, token_ids: list[int], text
 
 async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
                         *, parser: str = "auto", max_tool_output_tokens: int | None = None,
-                        parallel_tool_calls: bool = True) -> StepResult:
+                        parallel_tool_calls: bool = True, max_context: int | None = None,
+                        context_limit: str = "end") -> StepResult:
     """One model turn: append the answers to the previous turn's calls (exact tokens, in call
     order), generate, and parse the calls with ``parser`` (``"auto"``: the format the chat
     template declares; see ``tool_formats.choose_format``); ``parallel_tool_calls`` as in
-    ``model_turn``. Model output never raises here: malformed calls are error calls."""
+    ``model_turn``. Model output never raises here: malformed calls are error calls.
+
+    ``max_context``: the model's context in tokens. A turn whose context so far plus
+    ``params.max_new_tokens`` would exceed it is not sampled (``check_context``)."""
     if state.done:
         return StepResult(state, None)
     if state.steps:
@@ -257,6 +263,8 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
             return StepResult(replace(state, done=True), None)
         results = in_call_order(calls, _as_results(tool_responses, [c for c in calls if c.error is None]))
         state = append_tool_results(tokenizer, state, results, max_output_tokens=max_tool_output_tokens)
+    if max_context is not None and len(state.ids) + params.max_new_tokens > max_context:
+        return StepResult(check_context(state, params.max_new_tokens, max_context, context_limit), None)
     return await model_turn(engine, tokenizer, state, params, parser=parser, parallel_tool_calls=parallel_tool_calls)
 
 
@@ -267,6 +275,18 @@ def in_call_order(calls: list[ToolCall], results: list[ToolResult]) -> list[Tool
     good = iter(results)
     out = [error_result(c) if c.error is not None else next(good, None) for c in calls]
     return [r for r in out if r is not None] + list(good)
+
+
+def check_context(state: EpisodeState, max_new_tokens: int, max_context: int, context_limit: str) -> EpisodeState:
+    """The episode whose next turn would not fit the model's context: ended as it stands, marked
+    ``truncated="context"`` (its rollout's ``metadata["truncated"]``; the step counts it in
+    ``episodes/truncated_context``), or with ``context_limit="fail"`` an ``EpisodeError``.
+    (verl multi-turn: ``max_model_len`` ends the trajectory; SkyRL: ``max_input_length`` truncates.)"""
+    if context_limit == "fail":
+        raise EpisodeError(f"the next turn needs {len(state.ids)} tokens of context + max_new_tokens={max_new_tokens}"
+                           f" = {len(state.ids) + max_new_tokens}, over the model's context of {max_context} "
+                           f"tokens (context_limit='fail'; 'end' ends the episode before that turn instead)")
+    return replace(state, done=True, truncated="context")
 
 
 async def model_turn(engine, tokenizer, state: EpisodeState, params: SamplingParams, *,

@@ -24,7 +24,11 @@ ADAMW = dict(lr=1e-2, max_grad_norm=0.05, epochs=2, shuffle=True)  # clipping ac
 # "correction" option runs ml.with_off_policy_correction(pg, correction) (recomputed old log-probs)
 CASES = {"full-sgd": (SGD, False), "lora-adamw": (ADAMW, True),
          "full-adamw-ema": ({**ADAMW, "reference": "ema", "reference_options": {"decay": 0.5}}, False),
-         "tis-adamw": ({**ADAMW, "correction": "tis"}, False)}
+         "tis-adamw": ({**ADAMW, "correction": "tis"}, False),
+         # packed micro-batches of <= 40 tokens (several rows each), tokens balanced across ranks,
+         # LoRA with gradient checkpointing
+         "packed-lora-ckpt": ({**ADAMW, "micro_batch_size": None, "max_tokens_per_micro_batch": 40,
+                               "gradient_checkpointing": True}, True)}
 
 
 @ml.recipe

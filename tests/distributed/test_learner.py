@@ -21,12 +21,14 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from materl.compiler.packing import MicroBatching
 from materl.distributed.learner import RankPartition
 from materl.distributed.torchrun import free_port
 from tests.distributed import helpers as H
 from tests.tolerance import assert_same_update
 
-CONFIGS = {"ddp": ["full-sgd", "lora-adamw", "tis-adamw"], "fsdp2": ["full-sgd", "lora-adamw", "full-adamw-ema", "tis-adamw"]}
+CONFIGS = {"ddp": ["full-sgd", "lora-adamw", "tis-adamw", "packed-lora-ckpt"],
+           "fsdp2": ["full-sgd", "lora-adamw", "full-adamw-ema", "tis-adamw", "packed-lora-ckpt"]}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +71,9 @@ def check(case: dict) -> None:
         assert metrics["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-9, abs=1e-12)
         if case["options"].get("max_grad_norm"):
             assert metrics["grad_norm"] > case["options"]["max_grad_norm"]  # so clipping did act
-        assert metrics["entropy"] == pytest.approx(want["entropy"], rel=1e-9)
+        if case["options"].get("max_tokens_per_micro_batch") is None:  # else ranks cut other micro-batches,
+            # and the entropy metric is a mean of per-micro-batch means (the loss and gradients are exact)
+            assert metrics["entropy"] == pytest.approx(want["entropy"], rel=1e-9)
         # the engine-vs-learner mismatch: over every rank's rows (gathered), or the recomputed
         # proximal log-probs' over the whole batch (TIS)
         mismatch = sorted(k for k in want if k.startswith("mismatch/"))
@@ -112,13 +116,14 @@ def test_the_batch_travels_whole():
 
 def test_rows_split_contiguously_with_weight_zero_padding():
     rows = torch.tensor([6, 2, 5, 0, 3, 1, 4])  # a shuffled mini-batch of 7 rows
-    parts = [RankPartition(None, "ddp", r, 2).micro_batches(rows, 2) for r in (0, 1)]
+    one, two = MicroBatching(rows=1), MicroBatching(rows=2)
+    parts = [RankPartition(None, "ddp", r, 2).micro_batches(rows, two) for r in (0, 1)]
     # rank 0: rows 6 2 5 0 (two micro-batches); rank 1: 3 1 4 (two, the second of one row)
     assert [(m.tolist(), w) for m, w in parts[0]] == [([6, 2], 1.0), ([5, 0], 1.0)]
     assert [(m.tolist(), w) for m, w in parts[1]] == [([3, 1], 1.0), ([4], 1.0)]
     # 3 rows over 2 ranks in micro-batches of 2: rank 1 has one row and rank 0 two, one step each
-    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:3], 2)] == [([5], 1.0)]
+    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:3], two)] == [([5], 1.0)]
     # 1 row over 2 ranks: rank 1 has none and runs one weight-0 step on the batch's first row
-    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:1], 1)] == [([6], 0.0)]
+    assert [(m.tolist(), w) for m, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows[:1], one)] == [([6], 0.0)]
     # micro-batches of 1: rank 0 has 4 steps, rank 1 three rows plus one weight-0 step
-    assert [w for _, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows, 1)] == [1.0, 1.0, 1.0, 0.0]
+    assert [w for _, w in RankPartition(None, "ddp", 1, 2).micro_batches(rows, one)] == [1.0, 1.0, 1.0, 0.0]

@@ -134,3 +134,18 @@ def test_python_dash_m_subprocess():
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert [line.split()[0] for line in proc.stdout.splitlines()] == materl.recipes.names()
+
+
+def test_memory_flags_are_compile_overrides(tmp_path):
+    """``--gradient-checkpointing``, ``--max-tokens-per-micro-batch N`` and ``--optimizer NAME``
+    are ``--set compile.<option>=...``, validated with the config (docs/scaling-up.md)."""
+    from materl.cli import build_parser
+    from materl.runtime.config import load_config
+
+    args = build_parser().parse_args(["train", "examples/configs/tiny_grpo.yaml", "--gradient-checkpointing",
+                                      "--max-tokens-per-micro-batch", "4096", "--optimizer", "adamw_8bit"])
+    assert args.overrides == ["compile.gradient_checkpointing=true", "compile.max_tokens_per_micro_batch=4096",
+                              "compile.optimizer=adamw_8bit"]
+    options = load_config(args.config, overrides=args.overrides).compile_options()
+    assert (options.gradient_checkpointing, options.max_tokens_per_micro_batch, options.optimizer) == (
+        True, 4096, "adamw_8bit")

@@ -24,8 +24,10 @@ import torch
 from torch import Tensor
 
 from materl.compiler.graphs import graphed
+from materl.compiler.packing import block_causal_mask, pack, unpack
 from materl.compiler.sequences import SeqBatch, completion_hidden, gather_rows
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
+from materl.errors import CompileError
 from materl.graph.node import Node
 from materl.ops.logprobs import token_logprobs
 from materl.ops.offpolicy import logprob_mismatch
@@ -37,8 +39,11 @@ def temperature(learner, node: Node) -> float:
 
 def forward_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool = False):
     """Log-probs (B, T) with gradient, and with ``entropy`` the entropy as a metric (no gradient:
-    with a frozen LM head the hidden-state gradient is then formed in the forward)."""
+    with a frozen LM head the hidden-state gradient is then formed in the forward). With
+    ``max_tokens_per_micro_batch`` the rows run packed (``materl.compiler.packing``)."""
     o = learner.run.options
+    if o.max_tokens_per_micro_batch is not None:
+        return _to_learner(learner, _packed_logprobs(learner, agent, sb, temp=temp, entropy=entropy))
     if o.cuda_graphs:
         return _to_learner(learner, _graphed_logprobs(learner, agent, sb, temp=temp, entropy=entropy))
     with agent.autocast():  # bf16 compute over fp32 weights on CUDA; nothing on a CPU
@@ -69,7 +74,53 @@ def _graphed_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: boo
     return fn(sb.input_ids, sb.attention_mask, sb.gather_idx, sb.completion_ids)
 
 
+def _packed_logprobs(learner, agent, sb: SeqBatch, *, temp: float, entropy: bool):
+    """``forward_logprobs`` over packed rows: the LM head runs on the M real completion tokens
+    only; the results return to the (B, T) layout (0 at padding). Under ``cuda_graphs`` through a
+    captured graph per (N, M) bucket, the block mask built inside it."""
+    o = learner.run.options
+    sb = sb.to(agent.device)  # a no-op unless this agent sits on another device than the batch
+    packed = pack(sb, static=o.cuda_graphs)
+
+    def make():
+        def logprobs(input_ids, position_ids, segment_ids, hidden_idx, targets):
+            mask = block_causal_mask(segment_ids) if o.cuda_graphs else None
+            with agent.autocast():
+                hidden_M_H = agent.hidden_states(input_ids, mask, position_ids=position_ids)[0, hidden_idx]
+                weight, bias = agent.output_embedding()
+                return token_logprobs(hidden_M_H[None], weight, targets[None], bias=bias, temperature=temp,
+                                      chunk_size=o.logprob_chunk_size, return_entropy=entropy, entropy_grad=False)
+        return logprobs
+
+    args = (packed.input_ids, packed.position_ids, packed.segment_ids, packed.hidden_idx, packed.targets)
+    if o.cuda_graphs:
+        check_graphable_attention(agent)
+        fn = graphed(agent.model, ("packed-logprobs", temp, entropy, o.logprob_chunk_size), make,
+                     capture=packed.input_ids.device.type == "cuda")
+    else:
+        fn = make()
+    out = fn(*args)
+    return tuple(unpack(t[0], packed) for t in out) if isinstance(out, tuple) else unpack(out[0], packed)
+
+
+def check_graphable_attention(agent) -> None:
+    """Packed rows under ``cuda_graphs`` pass a prepared boolean block mask, which SDPA reads."""
+    impl = getattr(getattr(agent.model, "config", None), "_attn_implementation", "sdpa")
+    if impl != "sdpa":
+        raise CompileError(f"max_tokens_per_micro_batch with cuda_graphs=True runs packed rows through a captured "
+                           f"graph with a boolean block mask, which needs attn_implementation='sdpa'; agent "
+                           f"{agent.name!r} uses {impl!r}. Use cuda_graphs=False (transformers then builds the "
+                           f"mask for {impl!r}) or load the model with SDPA attention")
+
+
 def forward_values(learner, agent, sb: SeqBatch) -> Tensor:
+    if learner.run.options.max_tokens_per_micro_batch is not None:
+        sb = sb.to(agent.device)
+        packed = pack(sb)
+        with agent.autocast():
+            hidden_M_H = agent.hidden_states(packed.input_ids, None, position_ids=packed.position_ids)[
+                0, packed.hidden_idx]
+            return _to_learner(learner, unpack(agent.values_of_hidden(hidden_M_H), packed))
     with agent.autocast():
         values = agent.values_of_hidden(completion_hidden(agent, sb, share_prompts=learner.run.options.share_prompts))
     return _to_learner(learner, values)
@@ -83,11 +134,17 @@ def _to_learner(learner, out):
 
 
 def _no_grad(learner, node: Node, fn) -> Tensor:
+    """``fn`` over the whole batch's rows, in the update's micro-batch sizes (rows or tokens)."""
     sb = learner.seq_batch(node)
-    micro = learner.run.options.micro_batch_size or len(sb.lengths)
+    rows = torch.arange(len(sb.lengths))
+    out = None
     with torch.no_grad():
-        parts = [fn(sb.rows(torch.arange(i, min(i + micro, len(sb.lengths))))) for i in range(0, len(sb.lengths), micro)]
-    return torch.cat(parts).float()
+        for idx in learner.micro_batching().split(rows):
+            part = fn(sb.rows(idx)).float()
+            if out is None:
+                out = part.new_zeros(len(rows), part.shape[1])
+            out[idx.to(out.device)] = part
+    return out
 
 
 def recomputes(node: Node) -> bool:

@@ -45,7 +45,9 @@ async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_re
     return await generate_step(agent.engine, agent.tokenizer, state, tool_responses,
                                sampling(run, node, ep.seed, turn), parser=node.params.get("parser", "auto"),
                                max_tool_output_tokens=run.options.max_tool_output_tokens,
-                               parallel_tool_calls=node.params.get("parallel_tool_calls", True))
+                               parallel_tool_calls=node.params.get("parallel_tool_calls", True),
+                               max_context=getattr(agent, "context_length", None),
+                               context_limit=run.options.context_limit)
 
 
 async def structure_rollout(run: Run, node: Node, ep: Episode, *parts) -> Rollout:
