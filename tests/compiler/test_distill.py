@@ -99,7 +99,7 @@ def test_distillation_moves_the_student_toward_the_teacher(teacher_dir):
         return float((p.exp() * (p - q)).sum()), float(p[ord("a")])
 
     kl_before, a_before = first_token()
-    step = compile_distill(distill, teacher, policy=student, lr=1e-3, max_new_tokens=1, group_size=256)
+    step = compile_distill(distill, teacher, policy=student, lr=2e-3, max_new_tokens=1, group_size=256)
     try:
         for _ in range(8):
             step.run(["hi"])
