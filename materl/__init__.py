@@ -12,7 +12,14 @@ Public names load on first use, so ``python -m materl.tools.calculator`` (a tool
 not pay for importing torch.
 """
 
+import logging
 from importlib import import_module
+
+# torchao (materl[memory], for optimizer="adamw_8bit") is imported by transformers and peft
+# whenever it is installed; on a CPU build it logs missing CUDA kernels and torch pytree
+# deprecations at import. They say nothing about the user's run, so they stay below ERROR.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_noisy).setLevel(logging.ERROR)
 
 from materl.errors import *  # noqa: F403
 from materl.registry import Registry
