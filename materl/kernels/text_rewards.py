@@ -32,12 +32,16 @@ FNV_OFFSET, FNV_PRIME, MASK64 = 14695981039346656037, 1099511628211, (1 << 64) -
 
 def pack_texts(texts: Sequence[str]) -> tuple[Tensor, Tensor]:
     """B strings -> (their UTF-8 bytes concatenated, uint8; B + 1 int64 offsets)."""
-    if isinstance(texts, str):
-        raise ShapeError(f"text rewards take a list of B completions, got one string {texts[:40]!r}")
+    _check_texts(texts)
     encoded = [t.encode("utf-8") for t in texts]
     offsets = torch.tensor(list(itertools.accumulate(map(len, encoded), initial=0)), dtype=torch.int64)
     blob = bytearray(b"".join(encoded)) or bytearray(1)
     return torch.frombuffer(blob, dtype=torch.uint8), offsets
+
+
+def _check_texts(texts: Sequence[str]) -> None:
+    if isinstance(texts, str):
+        raise ShapeError(f"text rewards take a list of B completions, got one string {texts[:40]!r}")
 
 
 def fnv1a(word: bytes) -> int:
@@ -123,6 +127,7 @@ def _run(kernel: loader.Kernel, op: str, texts: Sequence[str], extra: tuple, sig
 
 def sentiment(texts: Sequence[str], *, target="positive", impl: str = "auto") -> Tensor:
     """``1 - |compound - t|`` per text (``materl.ops.text_rewards.sentiment``). B str -> float64 (B,)."""
+    _check_texts(texts)
     t = T.sentiment_target(target)
     kernel = _kernel("sentiment", impl)
     if kernel is None:
@@ -134,6 +139,7 @@ def sentiment(texts: Sequence[str], *, target="positive", impl: str = "auto") ->
 
 def toxicity(texts: Sequence[str], *, impl: str = "auto") -> Tensor:
     """``-(listed tokens) / tokens`` per text (``materl.ops.text_rewards.toxicity``). B str -> float64 (B,)."""
+    _check_texts(texts)
     kernel = _kernel("toxicity", impl)
     if kernel is None:
         return torch.tensor(T.toxicity(completions=texts), dtype=torch.float64)
