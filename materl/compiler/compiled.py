@@ -28,7 +28,7 @@ from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
-from materl.compiler.metrics import advantage_turn_metrics, rollout_metrics
+from materl.compiler.metrics import advantage_turn_metrics, episode_rollout, rollout_metrics
 from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_state  # noqa: F401 (re-exported)
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
@@ -242,8 +242,7 @@ class Compiled:
 
     def episode_rollout(self, ep: Episode):
         """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""
-        name = self.plan.rollout_node()
-        return ep.rollout(name) if name is not None and name in ep.values else None
+        return episode_rollout(self.plan, ep)
 
     def optimizer_step(self) -> float:
         """Clip, step and zero every optimizer; the largest gradient norm (``Optimizers.step``)."""

@@ -88,6 +88,12 @@ def tool_call_metrics(rollouts: list, *, uses_tools: bool) -> dict[str, float]:
     return {"tool_calls": calls / max(1, len(rollouts)), "tool_success": answered / calls if calls else 0.0}
 
 
+def episode_rollout(plan, ep: Episode):
+    """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""
+    name = plan.rollout_node()
+    return ep.rollout(name) if name is not None and name in ep.values else None
+
+
 def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode], object], *,
                            max_turns: int = 8) -> dict[str, float]:
     """How the advantages fall on the model's turns: for turn k (1-based, up to ``max_turns``),

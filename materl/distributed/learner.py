@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from functools import partial
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -60,6 +61,7 @@ from materl import compute
 from materl.compiler.context import Run, StepContext
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
+from materl.compiler.metrics import advantage_turn_metrics, episode_rollout
 from materl.compiler.optimizers import Optimizers
 from materl.compiler.options import CompileOptions
 from materl.compiler.packing import MicroBatching
@@ -232,7 +234,8 @@ class DistributedLearner:
         with compute.serving():  # this thread runs the learner's torch work
             anyio.run(learner.prepare)
             t1 = time.perf_counter()
-            metrics = learner.run_updates()
+            turns = advantage_turn_metrics(ctx.plan, learner.episodes, partial(episode_rollout, ctx.plan))
+            metrics = learner.run_updates() | turns
         self.version += 1
         t2 = time.perf_counter()
         weights = {n: st.trainable_weights(a.model, keep=self.rank == 0) for n, a in self.trainable.items()}

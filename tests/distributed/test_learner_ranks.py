@@ -63,8 +63,10 @@ def test_rollout_actors_and_learner_ranks_make_the_one_process_run(tmp_path, clu
     assert [[h[k] for k in SAME] for h in stack] == [[h[k] for k in SAME] for h in local]
     assert [h["async/batch_version"] for h in stack] == [0.0, 0.0, 1.0]  # batch k sampled from version max(0, k-1)
     assert all(h["tool_calls"] == 1.0 and h["episodes"] == 4.0 and h["ranks"] == 2.0 for h in stack)
+    turns = [k for k in local[0] if k.startswith("advantages/")]
+    assert "advantages/turn_1/mean" in turns and "advantages/last_turn/std" in turns  # the calculator's 2 turns
     for h_local, h_stack in zip(local, stack):
-        for k in CLOSE:
+        for k in (*CLOSE, *turns):
             assert h_stack[k] == pytest.approx(h_local[k], rel=1e-4, abs=1e-6), k
     moved = max(float((w_local[n] - p).abs().max()) for n, p in start.items())
     assert moved > 1e-3  # training changed the weights, so equal weights mean equal updates
