@@ -26,7 +26,7 @@ def test_readme_commands_install_through_the_lock_and_ci_runs_the_test_command()
     for cmd in (demo, tests):
         assert cmd.startswith("pip install torch==2.13.0 && pip install -c constraints.txt -e ")
     assert '".[mojo]"' in demo and demo.endswith("python examples/calculator_tool_rl.py")
-    assert '".[dev,mojo]"' in tests and tests.endswith("python -m pytest -q -ra")
+    assert '".[dev,mojo]"' in tests and tests.endswith("python -m pytest -q -ra -n 2 --dist loadgroup")
     ci = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
     assert f"pytest_rc bash -c '{tests}'" in ci  # CI runs the README's test command verbatim
 
