@@ -6,7 +6,7 @@
 
 ``Compiled`` orchestrates: it plans once, and per step builds a frozen ``StepContext``, runs the
 rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``, which
-steps the ``Optimizers`` it is handed), the reference policies (``references``) and the engines'
+steps the ``Optimizers`` it is handed, on the step's ``update.LearnerBackend``), the reference policies (``references``) and the engines'
 weight sync; rollout metrics are ``metrics.rollout_metrics``. The stages themselves see only a
 ``Run`` (the context and this process's agents), never this object.
 """
@@ -26,14 +26,14 @@ from materl.compiler import graphs
 from materl.compiler.context import AgentSpec, Mode, Run, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
-from materl.compiler.learner import Learner
 from materl.compiler.loop import LoopThread
-from materl.compiler.metrics import advantage_turn_metrics, episode_rollout, rollout_metrics
+from materl.compiler.metrics import episode_rollout, rollout_metrics
 from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_state  # noqa: F401 (re-exported)
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
 from materl.compiler.references import reference_pairs, update_references
 from materl.compiler.scheduler import plan_toolboxes, rollout_stage
+from materl.compiler.update import InProcessLearner, LearnerBackend
 from materl.errors import CompileError
 from materl.graph.node import Recipe
 
@@ -69,7 +69,7 @@ class Compiled:
         self.last_episodes: list[Episode] = []
         self.last_errors: list[str] = []
         self.failures = FailurePolicy(options.max_failed_fraction, max_skipped_steps=options.max_skipped_steps)
-        self._optimizer_state_made = False  # AdamW states are made before the first update
+        self.learner: LearnerBackend = InProcessLearner()  # where the updates run (learn_on)
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
         self._started_tools: list = []  # toolboxes this step started (and stops on close)
         self.optimizer_set = Optimizers.for_agents(agents, options)
@@ -173,37 +173,42 @@ class Compiled:
 
     async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
         """The learner stage on finished episodes (``rollout_s``: how long their rollout took,
-        reported as ``time/rollout``): failure policy, prepare, updates, weight sync, references.
-        A step that tool infrastructure failures left nothing to learn from is ``skip``ped."""
+        reported as ``time/rollout``): failure policy, the update on this step's learner backend
+        (``learn_on``), weight sync, references. A step that tool infrastructure failures left
+        nothing to learn from is ``skip``ped."""
         if rollout_s is not None:  # a pipeline's step: the rollout ran elsewhere
             self.timings = {"stage/rollout": rollout_s}
         metrics, update = self.assess(episodes)
         if not update:
+            await self.learner.skip(self)
             return self.skip(episodes, metrics | {f"time/{k}": v for k, v in self.timings.items()})
         ok = [e for e in episodes if e.ok]
         self.last_episodes = ok
-        agents = {id(a): a for a in self.agents.values()}.values()
-        for agent in agents:
-            agent.sleep_engine()  # the rollout stage is over: free decode-only memory
-        if not self._optimizer_state_made:
-            await compute.acall(self.optimizer_set.init_state)
-            self._optimizer_state_made = True
-        learner = Learner(Run(self.context(), self.agents), ok, self.optimizer_set)
-        t0 = time.perf_counter()
-        await learner.prepare()
-        self.timings["stage/prepare"] = time.perf_counter() - t0
-        metrics.update(advantage_turn_metrics(self.plan, ok, self.episode_rollout))  # batch advantages exist now
-        metrics.update(await compute.acall(learner.run_updates))
-        self.timings.update(learner.timings)
-        self.step_count += 1
-        for agent in agents:
+        done = await self.learner.update(self, ok)
+        self.timings.update(done.timings)
+        self.step_count = done.version
+        for agent in {id(a): a for a in self.agents.values()}.values():
             if agent.trainable:
                 agent.sync_engine()  # in-process: drops stale copies; SGLang: pushes the new weights
                 agent.policy_version = self.step_count
-        await compute.acall(self.update_references, metrics.get("policy_loss/kl", metrics.get("kl")))
+        await compute.acall(self.update_references, done.metrics.get("policy_loss/kl", done.metrics.get("kl")))
+        metrics.update(done.metrics)
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = self.step_count
         return metrics
+
+    def learn_on(self, backend: LearnerBackend | None) -> None:
+        """Run the updates of the next steps on ``backend`` (e.g. ``distributed.ranks.RankedLearner``);
+        None: in this process again."""
+        self.learner = backend if backend is not None else InProcessLearner()
+
+    def restore(self, step: int) -> None:
+        """Continue from a checkpoint of step ``step`` (its weights and optimizer states already
+        loaded): the step count and the trainable agents' policy version."""
+        self.step_count = int(step)
+        for agent in self.agents.values():
+            if agent.trainable:
+                agent.policy_version = self.step_count
 
     def assess(self, episodes: list[Episode]) -> tuple[dict[str, float], bool]:
         """A finished batch's rollout and failure metrics, and whether it makes an update: the

@@ -11,14 +11,18 @@ which follows the published versions, so the learner can update its weights mean
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from materl.distributed.versions import InProcessStore, WeightStore
 from materl.engines import ENGINES
 from materl.distributed.workers import LocalWorker, mirrored_agents
 
+if TYPE_CHECKING:
+    from materl.agent import Agent
+    from materl.compiler.compiled import Compiled
 
-def rollout_copy(agent: Any, *, deterministic: bool) -> Any:
+
+def rollout_copy(agent: Agent, *, deterministic: bool) -> Agent:
     """A frozen copy of ``agent`` for sampling (its own weights and engine). In deterministic mode
     the engine's ``deterministic_options`` apply (the transformers engine decodes one request at
     a time: its row arithmetic depends on the batch, and batches depend on when tool results
@@ -30,7 +34,7 @@ def rollout_copy(agent: Any, *, deterministic: bool) -> Any:
     return clone
 
 
-def in_process_worker(compiled: Any, store: WeightStore) -> LocalWorker:
+def in_process_worker(compiled: Compiled, store: WeightStore) -> LocalWorker:
     o, ctx = compiled.options, compiled.context()
     agents = dict(compiled.agents)
     if o.max_staleness > 0:
@@ -40,7 +44,7 @@ def in_process_worker(compiled: Any, store: WeightStore) -> LocalWorker:
                        move_to_newest=not o.deterministic)
 
 
-def rollout_side(compiled: Any, *, workers: int = 0, ray_address: str | None = None,
+def rollout_side(compiled: Compiled, *, workers: int = 0, ray_address: str | None = None,
                  transport: str = "object_store", folder: str | None = None) -> tuple[WeightStore, list[Any]]:
     """The weight store and the rollout workers: ``workers=0`` one in-process worker; ``N >= 1``
     N Ray actors (``transport``: ``"object_store"``, or ``"disk"`` in ``folder``)."""

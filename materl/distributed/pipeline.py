@@ -19,9 +19,10 @@ is lock-step training, bit for bit ``Compiled.run`` per step.
   event is logged. A step whose episodes fail is judged by the compiled step's failure policy;
   one that a tool outage left nothing to learn from is skipped and still publishes its version
   (the same weights), so the batches waiting for it go on.
-- Learner: ``compiled.learn`` in this process, or ``learner=`` an object with the same
-  ``async learn(episodes, rollout_s=)`` (``ranks.RankedLearner``: R data-parallel ranks on Ray)
-  that leaves the new weights in ``compiled``'s agents and its step count, published from there.
+- Learner: ``compiled.learn`` (its update in this process or on the learner backend it was
+  given, ``Compiled.learn_on``: ``ranks.RankedLearner`` for R data-parallel ranks on Ray), or
+  ``learner=`` an object wrapping it with the same ``async learn(episodes, rollout_s=)``; the
+  new weights are in ``compiled``'s agents, its step count the version, published from there.
 - Deterministic mode also routes group i to worker i mod N, so a re-run (or a resume from a
   checkpoint, which keeps the S versions the next batches need) repeats every batch.
 """
@@ -32,7 +33,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
@@ -40,6 +41,9 @@ from materl.compiler.episode import Episode
 from materl.distributed.router import Router
 from materl.distributed.versions import WeightStore, version_state
 from materl.distributed.workers import Job, mirrored_agents
+
+if TYPE_CHECKING:
+    from materl.compiler.compiled import Compiled
 
 log = logging.getLogger("materl")
 
@@ -57,12 +61,18 @@ class _Batch:
     error: BaseException | None = None
 
 
+class Learns(Protocol):
+    """What a pipeline's steps learn with: ``Compiled`` itself, or a wrapper of its ``learn``."""
+
+    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]: ...
+
+
 class Pipeline:
     """Drives ``compiled`` through steps (``run``); see the module docstring."""
 
-    def __init__(self, compiled: Any, workers: Sequence[Any], store: WeightStore, *, next_batch: Callable[[int], list],
+    def __init__(self, compiled: Compiled, workers: Sequence[Any], store: WeightStore, *, next_batch: Callable[[int], list],
                  max_staleness: int = 0, deterministic: bool = False,
-                 progress: Callable[[int, int], Callable[[Episode], None]] | None = None, learner: Any = None):
+                 progress: Callable[[int, int], Callable[[Episode], None]] | None = None, learner: Learns | None = None):
         self.compiled, self.workers, self.store = compiled, list(workers), store
         self.learner = learner if learner is not None else compiled
         self.next_batch = next_batch

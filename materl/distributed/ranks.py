@@ -1,11 +1,11 @@
-"""The learner stage of a run on R learner ranks (``LearnerGroup``), driven from the process that
-holds the compiled step: what ``Compiled.learn`` does, with the forward/backward/optimizer step on
-the ranks.
+"""The updates of a run on R learner ranks (``LearnerGroup``), driven from the process that
+holds the compiled step: a learner backend (``compiler.update.LearnerBackend``) whose
+forward/backward/optimizer step runs on the ranks; ``Compiled.learn`` does the rest.
 
     ranks = RankedLearner(compiled, 2, strategy="ddp")      # after restoring a checkpoint, if any
-    pipeline = Pipeline(compiled, workers, store, learner=ranks, ...)
+    compiled.learn_on(ranks)                                 # every compiled.learn updates on the ranks
     ranks.pull_state()                                       # before save_checkpoint(optimizers=...)
-    ranks.shutdown()
+    compiled.learn_on(None); ranks.shutdown()
 
 The driver keeps its agents and optimizers as the run's record: the ranks start from them (a
 fresh run's weights, or a restored checkpoint's weights and optimizer states), after each step
@@ -18,25 +18,26 @@ driver's optimizers; each step sends their learning rates to the ranks.
 A step that tool infrastructure failures left nothing to learn from (``Compiled.assess``) is
 skipped here and on the ranks alike: no update, every version advances.
 
-A rank that dies stops the run: ``learn`` raises ``LearnerRankError`` naming it, nothing of
+A rank that dies stops the run: ``Compiled.learn`` raises ``LearnerRankError`` naming it, nothing of
 that step is kept, and the last checkpoint is the one to resume from.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import anyio
 
+from materl.compiler.compiled import Compiled
 from materl.compiler.episode import Episode
+from materl.compiler.update import Update
 from materl.distributed.state import LearnerState
 
 
 class RankedLearner:
-    """``learn(episodes, rollout_s=)`` for ``Pipeline`` on a ``LearnerGroup``; see the module docstring."""
+    """A ``LearnerBackend`` on a ``LearnerGroup``; see the module docstring."""
 
-    def __init__(self, compiled: Any, ranks: int, *, strategy: str = "ddp", ray_address: str | None = None,
+    def __init__(self, compiled: Compiled, ranks: int, *, strategy: str = "ddp", ray_address: str | None = None,
                  num_cpus: float = 1):
         from materl.distributed.ray_group import LearnerGroup
 
@@ -71,32 +72,22 @@ class RankedLearner:
         for name, opt in self.compiled.optimizers.items():
             opt.load_state_dict(state.optimizers[name])
 
-    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
-        """``Compiled.learn`` with the update on the ranks (in a thread: rollouts go on meanwhile)."""
-        c = self.compiled
-        metrics, update = c.assess(episodes)
-        if not update:  # nothing to learn after tool infrastructure failures: the ranks count the step too
-            await anyio.to_thread.run_sync(self.group.skip)
-            return c.skip(episodes, metrics | {"time/rollout": rollout_s or 0.0})
-        ok = [e for e in episodes if e.ok]
-        c.last_episodes = ok
-        lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in c.optimizers.items()}
+    async def update(self, compiled: Compiled, episodes: list[Episode]) -> Update:
+        """The update on the ranks (in a thread: rollouts go on meanwhile); the new weights are
+        loaded into the driver's agents (``update.LearnerBackend``)."""
+        lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in compiled.optimizers.items()}
         t0 = time.perf_counter()
-        result = await anyio.to_thread.run_sync(self.group.step, ok, c.context(), lrs)
+        result = await anyio.to_thread.run_sync(self.group.step, episodes, compiled.context(), lrs)
         t1 = time.perf_counter()
-        result.weights.load_into(c.agents)
-        c.step_count = result.version
-        for agent in {id(a): a for a in c.agents.values()}.values():
-            if agent.trainable:
-                agent.sync_engine()
-                agent.policy_version = c.step_count
+        result.weights.load_into(compiled.agents)
         learned = dict(result.metrics)
-        c.update_references(learned.get("policy_loss/kl", learned.get("kl")))
-        metrics.update({k: v for k, v in learned.items() if not k.startswith("time/")})
-        metrics.update({"time/rollout": rollout_s or 0.0, "time/stage/prepare": learned["time/prepare"],
-                        "time/stage/learner": learned["time/learner"], "time/ranks": t1 - t0,
-                        "time/load_weights": time.perf_counter() - t1, "step": c.step_count})
-        return metrics
+        timings = {"stage/prepare": learned.pop("time/prepare"), "stage/learner": learned.pop("time/learner"),
+                   "ranks": t1 - t0, "load_weights": time.perf_counter() - t1}
+        return Update({k: v for k, v in learned.items() if not k.startswith("time/")}, result.version, timings)
+
+    async def skip(self, compiled: Compiled) -> None:
+        """The ranks count a skipped step too (their version advances with the driver's)."""
+        await anyio.to_thread.run_sync(self.group.skip)
 
     def shutdown(self) -> None:
         if self.group.actors:

@@ -32,7 +32,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from materl.compiler.context import StepContext
 from materl.compiler.episode import Episode
@@ -40,6 +40,9 @@ from materl.distributed.versions import DiskStore, RayObjectStore, WeightStore
 from materl.distributed.workers import Job, LocalWorker, rollout_agent_names
 from materl.engines import ENGINES
 from materl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from materl.compiler.compiled import Compiled
 
 TRANSPORTS = ("object_store", "disk")
 LOOPBACK = "127.0.0.1"
@@ -111,7 +114,7 @@ def warn_if_oversubscribed(workers: int, threads: int) -> str | None:
     return message
 
 
-def ray_workers(compiled: Any, n: int, *, ray_address: str | None = None, transport: str = "object_store",
+def ray_workers(compiled: Compiled, n: int, *, ray_address: str | None = None, transport: str = "object_store",
                 folder: str | None = None, num_cpus: float = 1) -> tuple[WeightStore, list[RayWorker]]:
     """``n`` rollout actors for ``compiled`` and the weight store they read; each actor reserves
     ``num_cpus`` CPUs and runs torch with that many threads."""

@@ -134,10 +134,8 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
         sampler.load_state_dict(ckpt.data_state["sampler"])
         if early_stopping is not None and "early_stopping" in ckpt.data_state:
             early_stopping.load_state_dict(ckpt.data_state["early_stopping"])
-        compiled.step_count = run.start = int(ckpt.step)
-        for agent in compiled.agents.values():
-            if agent.trainable:
-                agent.policy_version = run.start
+        run.start = int(ckpt.step)
+        compiled.restore(run.start)
         restore_versions(store, load_tensors(ckpt, VERSIONS))
     run.logger = RunLogger(run_dir, progress=progress, total_steps=steps, tensorboard=tensorboard, wandb=wandb,
                            mlflow=mlflow, config=config)
@@ -159,12 +157,12 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     interrupted = False
     try:  # the ranks start from the agents and optimizers as they are now (restored, on resume)
         run.ranks = learner_side(compiled, learner_ranks, strategy=learner_strategy, ray_address=ray_address)
+        compiled.learn_on(run.ranks)
         signals.rearm()
         pipeline = Pipeline(compiled, rollout_workers, store, next_batch=next_batch,
                             max_staleness=compiled.options.max_staleness, deterministic=compiled.options.deterministic,
                             progress=lambda k, total: run.logger.step_bar(k + 1, total),
-                            learner=run.ranks if curriculum is None else
-                            _Observed(compiled if run.ranks is None else run.ranks, sampler.observe, run.start))
+                            learner=None if curriculum is None else _Observed(compiled, sampler.observe, run.start))
         compiled.call_blocking(run.loop, pipeline, data_position)
     except KeyboardInterrupt:  # SIGINT/SIGTERM (materl.runtime.signals): stop now, keep the last checkpoint
         interrupted = True
@@ -172,6 +170,7 @@ def train(compiled, dataset: Any, *, steps: int, batch_size: int = 8, eval_datas
     finally:
         run.logger.close(plot=not interrupted)
         if run.ranks is not None:
+            compiled.learn_on(None)
             run.ranks.shutdown()
         compiled.call_blocking(_close_workers, rollout_workers)  # in process too: the services it started
         if not ray_before and _ray_running():

@@ -1,0 +1,73 @@
+"""Where a step's update runs: the learner backend behind ``Compiled.learn``.
+
+``Compiled.learn`` is the one learner step (failure policy, skip, engines' weight sync,
+references, metrics); the forward/backward/optimizer part of it is a ``LearnerBackend``'s
+``update``: ``InProcessLearner`` here (the compiler's ``Learner`` on the compiled step's own
+agents and optimizers), or ``distributed.ranks.RankedLearner`` (R data-parallel ranks on Ray,
+installed with ``compiled.learn_on(ranks)``). A backend leaves the new trainable weights in the
+compiled step's agents and says which version they are; it never writes the step's state.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from materl import compute
+from materl.compiler.context import Run
+from materl.compiler.episode import Episode
+from materl.compiler.learner import Learner
+from materl.compiler.metrics import advantage_turn_metrics
+
+if TYPE_CHECKING:
+    from materl.compiler.compiled import Compiled
+
+
+@dataclass
+class Update:
+    """What one update made: its metrics, its stage times (``stage/prepare``, ``stage/learner``,
+    ...; reported as ``time/<key>``) and the version of the weights it left in the agents."""
+
+    metrics: dict[str, float]
+    version: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class LearnerBackend(Protocol):
+    async def update(self, compiled: Compiled, episodes: list[Episode]) -> Update:
+        """Learn on ``episodes`` (the step's successful ones) and leave the new trainable weights
+        in ``compiled.agents``."""
+        ...
+
+    async def skip(self, compiled: Compiled) -> None:
+        """Count a step without an update (``Compiled.skip``) wherever the learner keeps a version."""
+        ...
+
+
+class InProcessLearner:
+    """The update in this process: the compiler's ``Learner`` on ``compiled``'s agents, stepping
+    its ``Optimizers``."""
+
+    def __init__(self) -> None:
+        self.states_made = False  # AdamW states are made before the first update
+
+    async def update(self, compiled: Compiled, episodes: list[Episode]) -> Update:
+        for agent in {id(a): a for a in compiled.agents.values()}.values():
+            agent.sleep_engine()  # the rollout stage is over: free decode-only memory
+        if not self.states_made:
+            await compute.acall(compiled.optimizer_set.init_state)
+            self.states_made = True
+        learner = Learner(Run(compiled.context(), compiled.agents), episodes, compiled.optimizer_set)
+        t0 = time.perf_counter()
+        await learner.prepare()
+        timings = {"stage/prepare": time.perf_counter() - t0}
+        metrics = advantage_turn_metrics(compiled.plan, episodes, compiled.episode_rollout)  # batch advantages exist now
+        metrics.update(await compute.acall(learner.run_updates))
+        return Update(metrics, compiled.step_count + 1, timings | learner.timings)
+
+    async def skip(self, compiled: Compiled) -> None:
+        return None
+
+
+__all__ = ["InProcessLearner", "LearnerBackend", "Update"]
