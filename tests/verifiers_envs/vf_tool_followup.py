@@ -50,3 +50,7 @@ class CheckAgainEnv(vf.SingleAgentEnv):
 
 
 __all__ = ["SumTaskset", "CheckAgainEnv"]
+
+
+if __name__ == "__main__":  # verifiers starts the toolset's MCP server as `python -m <its module>`
+    CalculatorTools.run()
