@@ -38,20 +38,11 @@ async def rollouts(env, policy, rows, **options):
 
 
 @pytest.mark.slow
-async def test_a_single_turn_environment_scores_the_sampled_text_and_trains(vf_python):
+async def test_a_single_turn_environment_trains_on_its_rewards_of_the_sampled_text(vf_python):
     with ml.VerifiersEnv("vf_addition", python=vf_python, path=[ENVS], options={"num_tasks": 2}) as env:
         rows = env.rows()
         assert rows == [{"prompt": "What is 0 + 0?", "vf_task": 0}, {"prompt": "What is 1 + 1?", "vf_task": 1}]
         assert env.reward_weights == {"exact_match": 1.0, "brevity": 0.5}
-        policy = ml.Agent("tiny-random")
-        for i, rollout in enumerate(await rollouts(env, policy, rows, max_new_tokens=4)):
-            result = rollout.metadata["result"]
-            # verifiers scored the text the endpoint decoded from the sampled ids (its last_reply strips it)
-            reply = rollout.text.strip()
-            assert result["reply"] == reply and result["turns"] == 1
-            assert result["rewards"] == {"exact_match": float(reply == str(2 * i)), "brevity": float(len(reply) <= 4)}
-            assert [s.kind for s in rollout.steps] == ["generate"]
-            assert rollout.loss_mask == [1] * len(rollout.steps[0].token_ids)
 
         @ml.recipe
         def vf_grpo(policy, prompts):
@@ -60,13 +51,28 @@ async def test_a_single_turn_environment_scores_the_sampled_text_and_trains(vf_p
             ml.set_loss(ml.policy_loss(advantages, ml.logprobs(policy, prompts, rollout), agg="token_mean"))
 
         step = ml.compile(vf_grpo, policy=ml.Agent("tiny-random", trainable=True), group_size=2, max_new_tokens=4)
+        episodes = []
         try:
-            metrics = await step.arun(prompts=[r["prompt"] for r in rows], vf_task=[r["vf_task"] for r in rows])
+            metrics = await step.arun(prompts=[r["prompt"] for r in rows], vf_task=[r["vf_task"] for r in rows],
+                                      on_episode=episodes.append)
         finally:
             await step.aclose()
-    assert metrics["failed_episodes"] == 0.0 and metrics["agent/requests/mean"] == 1.0
-    # each @vf.reward is a named term; random bytes of at most 4 tokens are never "0" or "2" exactly
-    assert metrics["reward/exact_match/mean"] == 0.0 and 0.0 <= metrics["reward/brevity/mean"] <= 1.0
+    assert metrics["failed_episodes"] == 0.0 and metrics["agent/requests/mean"] == 1.0 and len(episodes) == 4
+    expected = {"exact_match": [], "brevity": []}
+    for episode in episodes:
+        rollout = episode.values["rollout"]
+        result, reply = rollout.metadata["result"], rollout.text.strip()
+        # verifiers scored the text the endpoint decoded from the sampled ids (its last_reply strips it)
+        assert result["reply"] == reply and result["turns"] == 1
+        answer = str(2 * episode.columns["vf_task"])
+        assert result["rewards"] == {"exact_match": float(reply == answer), "brevity": float(len(reply) <= 4)}
+        assert [s.kind for s in rollout.steps] == ["generate"]
+        assert rollout.loss_mask == [1] * len(rollout.steps[0].token_ids)
+        for name in expected:
+            expected[name].append(result["rewards"][name])
+    # each @vf.reward is a reward term under its own name
+    for name, scores in expected.items():
+        assert metrics[f"reward/{name}/mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-6)
 
 
 @pytest.mark.slow
