@@ -53,11 +53,11 @@ async def test_a_single_turn_environment_trains_on_its_rewards_of_the_sampled_te
         step = ml.compile(vf_grpo, policy=ml.Agent("tiny-random", trainable=True), group_size=2, max_new_tokens=4)
         episodes = []
         try:
-            metrics = await step.arun(prompts=[r["prompt"] for r in rows], vf_task=[r["vf_task"] for r in rows],
+            metrics = await step.arun(prompts=[rows[1]["prompt"]], vf_task=[rows[1]["vf_task"]],
                                       on_episode=episodes.append)
         finally:
             await step.aclose()
-    assert metrics["failed_episodes"] == 0.0 and metrics["agent/requests/mean"] == 1.0 and len(episodes) == 4
+    assert metrics["failed_episodes"] == 0.0 and metrics["agent/requests/mean"] == 1.0 and len(episodes) == 2
     expected = {"exact_match": [], "brevity": []}
     for episode in episodes:
         rollout = episode.values["rollout"]
@@ -98,3 +98,31 @@ async def test_a_multi_turn_tool_environment_runs_its_tool_and_turns_on_exact_id
     assert rollout.loss_mask[:n0 + n1] == [1] * n0 + [0] * n1
     assert rollout.metadata["result"]["rewards"]["used_tool"] == 1.0
     assert rollout.metadata["num_segments"] == 1  # every request continued the previous one's ids
+
+
+def test_bad_arguments_are_clear_errors(tmp_path):
+    with pytest.raises(ml.ConfigError, match=r"python='no/such/python'.*make_venv"):
+        ml.VerifiersEnv("vf_addition", python="no/such/python")
+    python = tmp_path / "python"
+    python.write_text("")
+    with pytest.raises(ValueError, match=r"num_tasks=0\); accepted: a positive int"):
+        ml.VerifiersEnv("vf_addition", python=python, num_tasks=0)
+    with pytest.raises(ValueError, match=r"taskset=''"):
+        ml.VerifiersEnv("", python=python)
+
+
+def test_verifiers_score_reads_each_episodes_named_score():
+    from materl.rollout.types import Rollout
+    from materl.runtime.verifiers_env import verifiers_score
+
+    rollouts = [Rollout([1], metadata={"result": {"rewards": {"a": 0.25, "b": 1.0}}}),
+                Rollout([1], metadata={"result": None})]  # scored without a result: the model's mistake
+    assert verifiers_score(rollouts=rollouts, key="a") == [0.25, 0.0]
+    assert verifiers_score(rollouts=rollouts, key="b") == [1.0, 0.0]
+
+
+def test_an_unknown_taskset_fails_to_load_with_verifiers_message(vf_python):
+    env = ml.VerifiersEnv("vf_no_such_taskset", python=vf_python, path=[ENVS])
+    with pytest.raises(ml.ConfigError, match=r"'vf_no_such_taskset' failed to load: .*vf_no_such_taskset"):
+        env.rows()
+    env.close()
