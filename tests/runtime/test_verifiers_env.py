@@ -121,6 +121,7 @@ def test_verifiers_score_reads_each_episodes_named_score():
     assert verifiers_score(rollouts=rollouts, key="b") == [1.0, 0.0]
 
 
+@pytest.mark.slow
 def test_an_unknown_taskset_fails_to_load_with_verifiers_message(vf_python):
     env = ml.VerifiersEnv("vf_no_such_taskset", python=vf_python, path=[ENVS])
     with pytest.raises(ml.ConfigError, match=r"'vf_no_such_taskset' failed to load: .*vf_no_such_taskset"):
