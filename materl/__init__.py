@@ -51,6 +51,7 @@ _EXPORTS = {
     "materl.runtime.curriculum": ["Curriculum", "Knobbed"],
     "materl.runtime.early_stop": ["EarlyStopping"],
     "materl.runtime.reasoning_tasks": ["ReasoningGymTask"],
+    "materl.runtime.verifiers_env": ["VerifiersEnv"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 _SUBMODULES = {"kernels", "ops", "recipes", "benchmark", "tools"}
