@@ -122,6 +122,22 @@ def _locality(node: Node) -> str:
     return "group" if group and node.params.get("scale", "group") != "batch" else "batch"
 
 
+def _resolve(node: Node, options, defaults) -> Node:
+    """The estimator left to compile time (the compile option ``advantage``, else the recipe's
+    default, else grpo) and the compile option ``step_credit`` on a node that does not set its own."""
+    if node.params.get("estimator") is None:
+        est = options.advantage or defaults.get("advantage") or "grpo"
+        node = node.replace(params={**node.params, "estimator": est})
+    credit = options.step_credit
+    if credit is None or node.params.get("step_credit") is not None:
+        return node
+    if node.params["estimator"] not in GRPO_FAMILY:
+        raise CompileError(f"compile option step_credit={credit!r} applies to the GRPO family "
+                           f"({', '.join(GRPO_FAMILY)}); node {node.name!r} uses estimator "
+                           f"{node.params['estimator']!r}, which sums step rewards like verl (leave step_credit unset)")
+    return node.replace(params={**node.params, "step_credit": credit})
+
+
 def _without_reference(node: Node) -> Node:
     if node.params.get("kl_coef"):
 
@@ -134,6 +150,6 @@ SPECS = (
     OpSpec("advantages", Role.SCORE, (Output("advantages", Kind.TOKENS), Output("returns", Kind.TOKENS)), (
         Impl("mojo", batch=advantages_mojo, when=_mojo_when, kernel=True),
         Impl("torch", batch=advantages_torch),
-    ), locality=_locality, without_reference=_without_reference,
+    ), locality=_locality, without_reference=_without_reference, resolve=_resolve,
         doc="per-token advantages and returns from rewards (a registered estimator)"),
 )
