@@ -60,9 +60,9 @@ def _rewards(items, mask: Tensor) -> Tensor:
     return to_tensor(rows, width=mask.shape[1])
 
 
-def _per_episode(out: dict[str, Tensor], mask: Tensor, inputs: list[list]) -> dict[str, list[Tensor]]:
+def _per_episode(out: dict[str, Tensor], inputs: list[list]) -> dict[str, list[Tensor]]:
     """Each output's rows cut to their episode's completion (a TOKENS value is as long as it)."""
-    lengths = [len(as_rollout(x).completion_ids) for x in inputs[1]]
+    lengths = [sum(len(s.token_ids) for s in as_rollout(x).steps) for x in inputs[1]]
     return {k: [v[i, :n] for i, n in enumerate(lengths)] for k, v in out.items()}
 
 
@@ -92,7 +92,7 @@ def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list
     derived = rollout_tensors(fn, node, [as_rollout(x) for x in inputs[1]], mask.shape[1])
     adv, returns = fn(rewards.double(), mask.double(), *[e.double() for e in extra], *derived,
                       group_ids=[ep.group_id for ep in eps], **hp)
-    return _per_episode({"advantages": adv.float(), "returns": returns.float()}, mask, inputs)
+    return _per_episode({"advantages": adv.float(), "returns": returns.float()}, inputs)
 
 
 def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
@@ -102,7 +102,7 @@ def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]
         return advantages_torch(run, node, eps, inputs)
     adv = group_advantages(rewards.double(), mask.double(), estimator=node.params["estimator"],
                            group_ids=[ep.group_id for ep in eps], impl="mojo", **hp).float()
-    return _per_episode({"advantages": adv, "returns": adv}, mask, inputs)
+    return _per_episode({"advantages": adv, "returns": adv}, inputs)
 
 
 def _mojo_when(node: Node, options) -> str | None:
