@@ -61,7 +61,8 @@ def _rewards(items, mask: Tensor) -> Tensor:
 
 
 def _per_episode(out: dict[str, Tensor], inputs: list[list]) -> dict[str, list[Tensor]]:
-    """Each output's rows cut to their episode's completion (a TOKENS value is as long as it)."""
+    """Each output as one row per episode, cut to its completion (a TOKENS value is as long as it,
+    whatever the other episodes of the call)."""
     lengths = [sum(len(s.token_ids) for s in as_rollout(x).steps) for x in inputs[1]]
     return {k: [v[i, :n] for i, n in enumerate(lengths)] for k, v in out.items()}
 
