@@ -17,7 +17,8 @@
 # results depend neither on the thread count nor on which thread ran what.
 #
 # Calling convention (materl/kernels/loader.py): @export ... abi("C") -> Int; 0 = success.
-# The tables' layouts are mirrored in materl/engines/mojo_layout.py.
+# The tables' layouts are mirrored in materl/engines/mojo_model.py (the model table, M_*) and
+# materl/engines/mojo_forward.py (the step table, S_*, and the scratch size of Work: workspace_floats).
 
 from llama.gemm import gemm, STORE, ACCUMULATE
 from llama.layers import rmsnorm_row, rope_head, attend_group, silu_mul
@@ -188,7 +189,7 @@ struct Step:
 
 
 struct Work:
-    """Workspace offsets (floats); mirrored by mojo_layout.workspace_floats."""
+    """Workspace offsets (floats); mirrored by materl/engines/mojo_forward.py workspace_floats."""
 
     var x: FPtr
     var q: FPtr

@@ -165,10 +165,10 @@ def to_tensor(items: Sequence[Any], *, width: int | None = None) -> Tensor:
     longest), as float32. A row longer than ``width`` is an error, never truncated."""
     if isinstance(items, Tensor):
         t = items.float()
-    elif all(_scalar(x) for x in items):
+    elif all(is_scalar(x) for x in items):
         t = torch.tensor([float(x) for x in items], dtype=torch.float32)
     else:
-        rows = [x.tolist() if isinstance(x, Tensor) else list(x) if not _scalar(x) else [float(x)] for x in items]
+        rows = [x.tolist() if isinstance(x, Tensor) else list(x) if not is_scalar(x) else [float(x)] for x in items]
         t = pad_rows(rows, width=width)
     if t.dim() == 2 and width is not None and t.shape[1] != width:
         if t.shape[1] > width:
@@ -177,7 +177,7 @@ def to_tensor(items: Sequence[Any], *, width: int | None = None) -> Tensor:
     return t
 
 
-def _scalar(x: Any) -> bool:
+def is_scalar(x: Any) -> bool:
     return isinstance(x, (int, float, bool)) or (isinstance(x, Tensor) and x.dim() == 0)
 
 
@@ -197,7 +197,7 @@ def split(value: Any, n: int, *, what: str) -> list[Any]:
     if isinstance(value, dict):
         parts = {k: split(v, n, what=f"{what} output {k!r}") for k, v in value.items()}
         return [Outputs({k: parts[k][i] for k in parts}) for i in range(n)]
-    if _scalar(value) or value is None:
+    if is_scalar(value) or value is None:
         return [value] * n
     if isinstance(value, Tensor):
         rows = value.shape[0]

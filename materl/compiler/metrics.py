@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from materl.compiler.episode import Episode
-from materl.compiler.spec import Kind, output_of
+from materl.compiler.spec import Kind, output_of, spec_of
 
 
 def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode], object],
@@ -37,7 +37,7 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
         m["engine/prefilled_tokens"] = float(sum(t["prefilled"] for t in turns))
         m["engine/reused_tokens"] = float(sum(t["reused"] for t in turns))
     truncated = sum(r.metadata.get("truncated") == "context" for r in rollouts)
-    if truncated or any(plan.nodes[n].op == "generate_step" for n in plan.episode):
+    if truncated or any(spec_of(plan.nodes[n]).turn for n in plan.episode):
         m["episodes/truncated_context"] = float(truncated)
     for e in episodes:
         for k, v in e.timings.items():
@@ -71,9 +71,7 @@ def outage_masked(ep: Episode) -> bool:
 def uses_tools(plan) -> bool:
     """Whether the recipe's episodes may call tools: a ``call_tools`` node, a ``generate_step``
     shown tools, or an agent (its own code runs the calls it gets)."""
-    nodes = [plan.nodes[n] for n in plan.episode]
-    return plan.calls_tools() or any(n.op == "agent_episodes" or (n.op == "generate_step" and n.params.get("tools"))
-                                     for n in nodes)
+    return any(spec_of(plan.nodes[n]).may_call_tools(plan.nodes[n]) for n in plan.episode)
 
 
 def tool_call_metrics(rollouts: list, *, uses_tools: bool) -> dict[str, float]:

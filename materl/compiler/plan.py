@@ -24,7 +24,6 @@ from materl.errors import CompileError
 from materl.graph.lint import topo_order
 from materl.graph.node import Node, Recipe, ref_node
 from materl.ops.reference import REFERENCE_POLICIES
-from materl.ops.step_credit import GRPO_FAMILY
 
 STAGES = ("episode", "group", "prepare", "update")
 
@@ -151,30 +150,19 @@ def _check(recipe: Recipe, nodes: dict[str, Node], agents: dict[str, Any]) -> No
 
 
 def _resolve_defaults(recipe: Recipe, options: CompileOptions) -> dict[str, Node]:
-    """Fill choices left to compile time: the default advantage estimator, and with a reference
-    policy that uses no reference model (``reference="none"``), the KL terms dropped."""
-    default_adv = options.advantage or recipe.defaults.get("advantage") or "grpo"
+    """Fill choices left to compile time: each spec's ``resolve`` (the default advantage
+    estimator, the ``step_credit`` option), and with a reference policy that uses no reference
+    model (``reference="none"``), the KL terms dropped."""
     uses_reference = REFERENCE_POLICIES.get(options.reference).uses_reference
     nodes = {}
     for n in recipe.nodes:
         spec = spec_of(n)
-        if spec.kind == "advantages" and n.params.get("estimator") is None:
-            n = n.replace(params={**n.params, "estimator": default_adv})
-        if spec.kind == "advantages" and options.step_credit is not None and n.params.get("step_credit") is None:
-            n = _with_step_credit(n, options.step_credit)
+        if spec.resolve is not None:
+            n = spec.resolve(n, options, recipe.defaults)
         if not uses_reference and spec.without_reference is not None:
             n = spec.without_reference(n)
         nodes[n.name] = n
     return nodes
-
-
-def _with_step_credit(node: Node, credit: str) -> Node:
-    """The compile option ``step_credit`` on an advantages node that does not set its own."""
-    if node.params["estimator"] not in GRPO_FAMILY:
-        raise CompileError(f"compile option step_credit={credit!r} applies to the GRPO family "
-                           f"({', '.join(GRPO_FAMILY)}); node {node.name!r} uses estimator "
-                           f"{node.params['estimator']!r}, which sums step rewards like verl (leave step_credit unset)")
-    return node.replace(params={**node.params, "step_credit": credit})
 
 
 def _needed(recipe: Recipe, nodes: dict[str, Node]) -> set[str]:

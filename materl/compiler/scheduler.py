@@ -25,7 +25,7 @@ import anyio
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, make_episodes, split, to_tensor
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
-from materl.compiler.spec import spec_of
+from materl.compiler.spec import Role, spec_of
 from materl.engines.arrivals import settle
 from materl.errors import OpOutputError, StepTimeoutError
 from materl.rollout.episode import EpisodeState, StepResult
@@ -54,11 +54,11 @@ def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseEx
     ``node`` fail with ``exc``: the first input from a custom op holding a value that is neither a
     rollout nor numbers (a number, or a row of them). Returns when there is none (the node's own
     error stands); a custom op reading another one's value decides itself what it takes."""
-    if node.op == "call":
+    if spec_of(node).role is Role.CUSTOM:
         return
     for ref, values in zip(refs, inputs):
         producer = plan.nodes.get(ref.split(".")[0])
-        if producer is None or producer.op != "call":
+        if producer is None or spec_of(producer).role is not Role.CUSTOM:
             continue
         for index, value in zip(episodes, values):
             why = _not_numbers_or_rollout(value)

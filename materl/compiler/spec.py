@@ -9,9 +9,11 @@ shapes (``%advantages.returns`` reads a named output; a group or batch result mu
 per episode, checked when it is split), its
 implementations in order of preference with the rule that admits each (data, in the spirit of
 autodidax's impl rules: ops never decide where they run), its locality (whether a batch call
-over several episodes equals one call per episode, so the scheduler may batch them), and its
-compile-time checks. Adding an op kind is one module in ``materl.compiler.kinds`` with its spec,
-one entry in ``kinds.SPECS``, and a test.
+over several episodes equals one call per episode, so the scheduler may batch them), its
+compile-time checks, and the facts other code asks about a kind instead of comparing its name
+(``turn``, ``may_call_tools``, ``teacher_input``, ``resolve``; the graph layer's facts, from
+``materl.graph.kinds``, are ``spec.facts``). Adding an op kind is one module in
+``materl.compiler.kinds`` with its spec, one entry in ``kinds.SPECS``, and a test.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from materl.compiler.options import CompileOptions
 from materl.errors import CompileError
+from materl.graph.kinds import KindFacts, facts_of
 from materl.graph.node import Node
 from materl.registry import Registry
 
@@ -92,7 +95,17 @@ class OpSpec:
     always_runs: bool = False  # kept when no loss reads it (filters act by dropping episodes)
     without_reference: Callable[[Node], Node] | None = None  # the node when reference="none"
     describe: Callable[[Node, str], str] | None = None  # an extra line for explain() (impl name given)
+    # choices the node leaves to compile time, filled from the options and the recipe's defaults
+    resolve: Callable[[Node, CompileOptions, Mapping[str, Any]], Node] | None = None
+    turn: bool = False  # its value is one model turn: call_tools runs its calls, a step reward lands on it
+    may_call_tools: Callable[[Node], bool] = lambda node: False  # its episodes may call tools (tool metrics)
+    teacher_input: int | None = None  # the input holding a teacher's log-probs (that agent never follows the policy)
     doc: str = ""
+
+    @property
+    def facts(self) -> KindFacts:
+        """What the graph layer knows about this kind (``materl.graph.kinds``)."""
+        return facts_of(self.kind)
 
     def output(self, name: str | None = None) -> Output:
         """The named output, or the default (first) one."""
@@ -135,6 +148,13 @@ OPS: Registry[OpSpec] = Registry("op kind")
 
 def spec_of(node: Node) -> OpSpec:
     return OPS.get(node.op)
+
+
+def may_be_turn(node: Node) -> bool:
+    """Whether ``node``'s value may be one model turn: a turn kind (``OpSpec.turn``), or a user's op,
+    which may return one (what ``call_tools`` and a reward's ``step=`` read)."""
+    spec = spec_of(node)
+    return spec.turn or spec.role is Role.CUSTOM
 
 
 def output_of(node: Node, path: Sequence[str] = ()) -> Output:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from materl.errors import RecipeError, RecipeWarning
+from materl.errors import ConfigError, RecipeError, RecipeWarning
 from materl.graph.trace import RewardExpr, RewardTerm, Value, active_builder
 from materl.ops.advantages import ADVANTAGES
 from materl.ops.aggregate import LOSS_AGG
@@ -18,6 +18,7 @@ from materl.ops.losses import POLICY_LOSSES
 from materl.ops.preference import PREFERENCE_LOSSES
 from materl.ops.rewards import REWARDS
 from materl.ops.step_credit import GRPO_FAMILY, STEP_CREDIT
+from materl.ops.turn_credit import check_turn_hparams
 
 
 def _given(**kw: Any) -> dict[str, Any]:
@@ -146,7 +147,8 @@ def advantages(rewards, ref_logprobs=None, policy_logprobs=None, *, estimator: s
     under a GRPO-family estimator (grpo, dr_grpo): ``"process"`` (the default with step rewards:
     DeepSeekMath's process supervision, ``materl.ops.step_credit``) or ``"sum"`` (verl: the
     row's summed reward on every token). Outcome-only rewards are always verl's GRPO. Turn-level
-    and GiGPO credit are their own nodes: ``ml.turn_advantages``, ``ml.gigpo_advantages``.
+    and GiGPO credit are estimators of their own (``turn_grpo``, ``gigpo``), written
+    ``ml.turn_advantages``, ``ml.gigpo_advantages``.
 
     ``ref_logprobs``/``policy_logprobs`` are read only with ``kl_coef > 0``: the rewards then get a
     per-token KL penalty ``-kl_coef * KL(policy_old || ref)`` first (verl's ``use_kl_in_reward``),
@@ -186,6 +188,30 @@ def gae_advantages(rewards, values, *, gamma: float = 1.0, lam: float = 1.0, nam
     return b.add("advantages", [rewards, _scored(b, "ml.gae_advantages"), values],
                  {"estimator": "gae", "gamma": gamma, "lam": lam}, scope="group", name=name,
                  default_name="gae_advantages")
+
+
+def turn_advantages(rewards, rollout, *, gamma: float = 1.0, eps: float = 1e-6, name: str | None = None) -> Value:
+    """Turn-level GRPO advantages (and ``.returns``) of ``rollout``: turn j's return against turn j's
+    returns in the group (``materl.ops.turn_credit.turn_grpo``, MT-GRPO's credit assignment)."""
+    check_turn_hparams("turn_advantages", gamma=gamma, eps=eps)
+    b = active_builder("ml.turn_advantages")
+    return b.add("advantages", [rewards, rollout], {"estimator": "turn_grpo", "gamma": float(gamma), "eps": float(eps)},
+                 scope="group", name=name, default_name="turn_advantages")
+
+
+def gigpo_advantages(rewards, rollout, *, omega: float = 1.0, gamma: float = 0.95, norm: str = "std",
+                     eps: float = 1e-6, anchor=None, name: str | None = None) -> Value:
+    """GiGPO advantages (and ``.returns``) of ``rollout`` (``materl.ops.turn_credit.gigpo``):
+    the episode-level group advantage plus ``omega`` times a step-level one over the group's turns
+    taken from the same anchor state. ``anchor(rollout, turn) -> hashable`` names a turn's state
+    (default: ``materl.compiler.turns.observation_anchor``)."""
+    check_turn_hparams("gigpo_advantages", gamma=gamma, eps=eps, omega=omega, norm=norm)
+    if anchor is not None and not callable(anchor):
+        raise ConfigError(f"gigpo_advantages(anchor=...) takes a function (rollout, turn) -> hashable, got {anchor!r}")
+    params = {"estimator": "gigpo", "omega": float(omega), "gamma": float(gamma), "norm": norm, "eps": float(eps),
+              **_given(anchor=anchor)}
+    b = active_builder("ml.gigpo_advantages")
+    return b.add("advantages", [rewards, rollout], params, scope="group", name=name, default_name="gigpo_advantages")
 
 
 def _scored(b, what: str) -> Value:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from materl.errors import RecipeError
 from materl.graph.constructors import logprobs
+from materl.graph.kinds import facts
 from materl.graph.node import Recipe, ref_node
 from materl.graph.recipe import Graph, _finish
 from materl.graph.trace import Builder, Placeholder, Value, active_builder, trace
@@ -57,13 +58,13 @@ def with_distillation(base: Recipe, teacher: str = "teacher", weight: float = 1.
     if teacher in base.params:
         raise RecipeError(f"with_distillation: {base.where} already has a parameter {teacher!r}; "
                           f"name the teacher another way (params: {', '.join(base.params)})")
-    losses = [n for n in base.nodes if n.op == "policy_loss"]
+    losses = [n for n in base.nodes if facts(n).policy_gradient]
     if len(losses) != 1:
         raise RecipeError(f"with_distillation: {base.where} has {len(losses)} policy_loss nodes; it needs exactly "
                           f"one (nodes: {', '.join(n.name for n in base.nodes)})")
     loss, nodes = losses[0], base.node_map
     adv, student = ref_node(loss.inputs[0]), nodes.get(ref_node(loss.inputs[1]))
-    if student is None or student.op != "logprobs":
+    if student is None or not facts(student).logprobs:
         raise RecipeError(f"with_distillation: policy loss {loss.name!r} reads %{loss.inputs[1]}, not ml.logprobs "
                           f"log-probs ({base.where})")
     prompts, completions = [Value(*_split(r)) for r in student.inputs if not r.startswith("@")][:2]

@@ -10,6 +10,7 @@ import inspect
 from collections.abc import Callable
 
 from materl.errors import RecipeError, UnknownNameError
+from materl.graph.kinds import facts
 from materl.graph.node import Node, Recipe, ref_node
 from materl.graph.trace import (
     AgentRef,
@@ -84,13 +85,13 @@ def with_kl(base: Recipe, *, estimator: str = "k3", coef: float = 0.04, clamp: f
     bias_correction=True``). See ``ml.policy_loss``."""
     KL_ESTIMATORS.get(KL_ALIASES.get(estimator, estimator))
     settings = _kl_settings("with_kl", clamp, bias_correction)
-    losses = [n for n in base.nodes if n.op == "policy_loss"]
+    losses = [n for n in base.nodes if facts(n).policy_gradient]
     if not losses:
         raise RecipeError(f"with_kl: {base.where} has no policy_loss node; nodes: "
                           f"{', '.join(n.name for n in base.nodes)}")
     nodes = []
     for n in base.nodes:
-        if n.op == "policy_loss":
+        if facts(n).policy_gradient:
             if len(n.inputs) < 3:
                 raise RecipeError(
                     f"with_kl: policy loss {n.name!r} reads no reference log-probs; pass ref_logprobs "
@@ -119,21 +120,21 @@ def with_off_policy_correction(base: Recipe, method: str, *, name: str | None = 
     recorded with the defaults filled in, so ``print(recipe)`` shows what runs."""
     params = correction_params(method, hparams)
     nodes = base.node_map
-    losses = [n for n in base.nodes if n.op == "policy_loss"]
+    losses = [n for n in base.nodes if facts(n).policy_gradient]
     if not losses:
         raise RecipeError(f"with_off_policy_correction: {base.where} has no policy_loss node; nodes: "
                           f"{', '.join(nodes)}")
     sources = set()
     for n in losses:
         src = nodes.get(ref_node(n.inputs[1]))
-        if src is None or src.op != "logprobs":
+        if src is None or not facts(src).logprobs:
             raise RecipeError(f"with_off_policy_correction: policy loss {n.name!r} reads %{n.inputs[1]}, "
                               f"{'a ' + src.op + ' node' if src is not None else 'no node'}; a correction needs "
                               f"log-probs from ml.logprobs ({base.where})")
         sources.add(src.name)
     new = []
     for n in base.nodes:
-        if n.op == "policy_loss":
+        if facts(n).policy_gradient:
             n = n.replace(params={**n.params, "correction": {"method": method, **params}})
         elif n.name in sources:
             n = n.replace(params={**n.params, "recompute": True})

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from materl.errors import RecipeError, UnknownNameError
+from materl.graph.kinds import facts
 from materl.graph.node import Node, Recipe, Scope, max_scope, ref_node
 
 _BUILDER: contextvars.ContextVar[Builder | None] = contextvars.ContextVar("materl_builder", default=None)
 
-# The ops whose value is an episode's rollout (the compiler's op table gives them Role.ROLLOUT;
-# tests/compiler/test_spec.py checks the two agree).
-ROLLOUT_OPS = ("generate", "generate_step", "structure_rollout", "env_rollout", "agent_episodes")
 
 
 class Value:
@@ -239,7 +237,7 @@ class Builder:
             x = AgentRef(x.node)
         if not isinstance(x, AgentRef):
             raise RecipeError(f"{what} needs an agent parameter of the recipe first (e.g. policy), got {x!r}")
-        if x.name in self.names() and self.get(x.name).op == "input":
+        if x.name in self.names() and facts(self.get(x.name)).data:
             raise RecipeError(f"parameter {x.name!r} of recipe {self.name!r} is data; {what} needs an agent")
         if x.name not in self.agents:
             self.agents.append(x.name)
@@ -297,7 +295,7 @@ class Builder:
         """The value rewards and advantages score when not wired with ``rollout=``/``completions=``:
         the recipe's one rollout. Several rollouts that no later turn continues (two ``generate``
         nodes, as ReMax has) make that ambiguous: an error saying what to write instead."""
-        producers = [n for n in self.nodes if n.op in ROLLOUT_OPS]
+        producers = [n for n in self.nodes if facts(n).rollout]
         continued = {ref_node(r) for n in producers for r in n.inputs}
         frontier = [n.name for n in producers if n.name not in continued]
         if len(frontier) > 1:
@@ -322,7 +320,7 @@ def unique_term_labels(nodes: list[Node]) -> list[Node]:
     taken: set[str] = set()
     out = []
     for n in nodes:
-        if n.op != "rewards":
+        if not facts(n).reward_sum:
             out.append(n)
             continue
         terms = []

@@ -20,7 +20,7 @@ the row's trained tokens, exactly as verl's outcome estimators do with ``token_l
 step rewards ``G_t`` leaves out earlier steps' rewards while the baseline includes them, so a
 group of identical episodes got ``-r / eps`` on later turns. Step rewards under a group baseline
 are credited by a published method instead: ``process`` here (DeepSeekMath's process
-supervision), turn-level and GiGPO advantages in ``materl.compiler.kinds``.)
+supervision), turn-level GRPO and GiGPO in ``materl.ops.turn_credit``.)
 
 No signal from nothing: a group whose scores are all equal gets advantage exactly 0 (its mean is
 the common score and its std 0, never a rounding residue divided by ``eps``), and a batch
@@ -62,6 +62,16 @@ def group_statistics(fn):
     return fn
 
 
+def rollout_inputs(*names: str):
+    """Mark an estimator that takes tensors the compiler derives from the scored rollouts, after
+    the node's own extra tensors and in this order (``"turns"``: each token's turn, ``"states"``:
+    each turn's anchor state id; ``materl.compiler.turns`` builds them)."""
+    def mark(fn):
+        fn.rollout_inputs = names
+        return fn
+    return mark
+
+
 def group_baseline(fn):
     """Mark an estimator whose baseline is a statistic of the group's scores: a group of identical
     episodes gets advantage 0 from it (tests/ops/test_step_credit.py checks every marked one)."""
@@ -88,6 +98,7 @@ __all__ = [
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "rollout_inputs",
 ]
 
 

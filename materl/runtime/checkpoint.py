@@ -56,6 +56,7 @@ from materl.runtime import signals
 from materl.runtime.checkpoint_meta import LATEST, READABLE, STATE, read_latest, read_state
 from materl.runtime.config import config_to_dict
 from materl.runtime.manifest import MANIFEST, confined, has_manifest, save_error, verify, write_manifest, writing
+from materl.runtime.pids import alive
 from materl.runtime.rng import rng_state, set_rng_state
 
 FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified
@@ -263,23 +264,12 @@ def _remove_stale_temps(root: Path) -> None:
     """Remove temp folders left by crashed saves (their writer process is gone)."""
     for tmp in root.glob(f"{_TMP}*"):
         pid = tmp.name.rsplit("-", 2)[-2] if tmp.name.count("-") >= 2 else ""
-        if not pid.isdigit() or not _alive(int(pid)):
+        # our own pid: a temp folder of ours from an earlier, failed save
+        if not pid.isdigit() or not alive(int(pid), count_self=False):
             if tmp.is_dir():
                 shutil.rmtree(tmp, ignore_errors=True)
             else:
                 tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return False  # a temp folder of ours from an earlier, failed save
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------- load

@@ -53,6 +53,7 @@ from materl.errors import ConfigError
 from materl.runtime.compare import common_metrics, compare, direction, load_runs
 from materl.runtime.config import apply_override, read_config_data, resolve_data_source, validate_config
 from materl.runtime.logging import METRICS_FILE
+from materl.runtime.pids import alive
 from materl.runtime.sweep_space import distributions, first_values, import_optuna, trial_data
 from materl.runtime.trial_process import LocalTrial, RayTrial, TrialProcess
 from materl.validation import describe
@@ -419,7 +420,7 @@ class _lock:
             pid = int(self.path.read_text().strip())
         except (OSError, ValueError):
             pid = None
-        if pid is not None and pid != os.getpid() and _alive(pid):
+        if pid is not None and alive(pid, count_self=False):  # our own pid: a lock left by an earlier attempt
             raise ConfigError(f"another materl sweep (pid {pid}) is running in {str(self.path.parent)!r}; "
                               f"wait for it or stop it first")
         self.path.write_text(f"{os.getpid()}\n")
@@ -427,16 +428,6 @@ class _lock:
 
     def __exit__(self, *exc):
         self.path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------------- the report

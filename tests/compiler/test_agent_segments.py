@@ -13,8 +13,7 @@ import materl as ml
 from materl.compiler.batch import RowMap
 from materl.compiler.compiled import Compiled
 from materl.compiler.context import Run
-from materl.compiler.kinds.gigpo_advantages import observation_anchor
-from materl.compiler.kinds.turn_advantages import turn_spans
+from materl.compiler.turns import observation_anchor, turn_index
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
 from materl.compiler.spec import Kind
@@ -272,8 +271,8 @@ def test_join_segments_lays_the_episode_out_in_order_and_splits_back_into_its_se
     assert join_segments([first]) is first and first.segments == [first] and first.segment_spans == [(0, 4)]
     assert "--- segment 2: history rewritten, new prompt · 3 tokens ---" in format_episode(joined)
     # turn-level estimators count the segments' turns in order; GiGPO's state for segment 2's first
-    # turn is the prompt it started from: (first token, last token, last trained token) per turn
-    assert turn_spans(joined) == [(0, 2, 1), (3, 6, 3), (7, 8, 8)]
+    # turn is the prompt it started from: each completion token's turn
+    assert turn_index(joined) == [0, 0, 0, 1, 1, 1, 1, 2, 2]
     assert observation_anchor(joined, 2) == ("observation", 2, (3, 4, 5))
     # the learner's rows: segment rows of the joined episode, one of the plain one
     rows = RowMap.of([joined, first])

@@ -1,4 +1,5 @@
-"""GiGPO advantages (materl/compiler/kinds/gigpo_advantages.py) against hand-computed values from
+"""GiGPO advantages (``ml.gigpo_advantages``: the advantages node with estimator ``gigpo``,
+materl/ops/turn_credit.py) against hand-computed values from
 the paper's equations (arXiv:2505.10978), no signal from identical episodes, anchors from the
 user, and a recipe that trains with it."""
 
@@ -11,7 +12,8 @@ from hypothesis import strategies as st
 
 import materl as ml
 from materl.compiler.episode import Episode
-from materl.compiler.kinds.gigpo_advantages import gigpo_advantages_batch, observation_anchor
+from materl.compiler.kinds.advantages import advantages_torch
+from materl.compiler.turns import observation_anchor
 from materl.errors import ConfigError
 from materl.graph.node import Node
 from materl.rollout.types import Rollout, Step
@@ -29,9 +31,9 @@ def two_turns(result: int) -> Rollout:
 
 def run(rollouts, rewards, **params):
     eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(len(rollouts))]
-    node = Node("adv", "gigpo_advantages", ("rewards", "rollout"),
-                {"omega": 1.0, "gamma": 0.5, "norm": "std", "eps": 0.0, **params}, "group")
-    return gigpo_advantages_batch(None, node, eps, [rewards, rollouts])
+    node = Node("adv", "advantages", ("rewards", "rollout"),
+                {"estimator": "gigpo", "omega": 1.0, "gamma": 0.5, "norm": "std", "eps": 0.0, **params}, "group")
+    return advantages_torch(None, node, eps, [rewards, rollouts])
 
 
 def test_episode_and_anchor_state_groups_by_hand():
@@ -94,15 +96,15 @@ def test_a_recipe_trains_with_gigpo_advantages():
         ml.set_loss(ml.policy_loss(adv, ml.logprobs(policy, prompts, rollout), agg="token_mean"))
 
     step = ml.compile(gigpo, policy=ml.Agent("tiny-random", trainable=True), group_size=3, max_new_tokens=6)
-    assert "%adv = gigpo_advantages(%rewards, %rollout) {omega=1, gamma=0.95, norm='std', eps=1e-06} [group]" \
-        in step.explain()
+    assert "%adv = advantages(%rewards, %rollout) {estimator='gigpo', omega=1, gamma=0.95, norm='std', eps=1e-06} " \
+           "[group]" in step.explain()
     episodes = step.call_blocking(step.rollout, ["say a", "say b"])
     metrics = step.call_blocking(step.learn, episodes)
     assert metrics["episodes"] == 6.0 and math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     node = step.plan.nodes["adv"]
     for group in (episodes[:3], episodes[3:]):  # the compiled node computed the kind's numbers per group
-        again = gigpo_advantages_batch(None, node, group, [[e.values["rewards"] for e in group],
-                                                           [e.values["rollout"] for e in group]])
+        again = advantages_torch(None, node, group, [[e.values["rewards"] for e in group],
+                                                     [e.values["rollout"] for e in group]])
         for e, adv in zip(group, again["advantages"]):
             assert torch.equal(e.resolve("adv"), adv)
     step.close()
@@ -127,20 +129,17 @@ def episode_of(turns):
 
 @settings(max_examples=40, deadline=None)
 @given(shapes=st.lists(turn_shapes, min_size=1, max_size=4), identical=st.booleans(),
-       op=st.sampled_from(["turn_advantages", "gigpo_advantages"]))
+       op=st.sampled_from(["turn_grpo", "gigpo"]))
 def test_turn_and_gigpo_are_finite_bounded_and_zero_on_identical_episodes(shapes, identical, op):
     """One group: identical copies of one episode (any number of turns, one copy = a singleton
     group left by failed episodes) or different episodes. No eps blow-up; identical copies (two
     or more) carry no signal."""
-    from materl.compiler.kinds.turn_advantages import turn_advantages_batch
-
     shapes = [shapes[0]] * len(shapes) if identical else shapes
     pairs = [episode_of(s) for s in shapes]
     eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(len(pairs))]
-    params = {"gamma": 0.95, "eps": 1e-6} | ({"omega": 1.0, "norm": "std"} if op == "gigpo_advantages" else {})
-    node = Node("adv", op, ("rewards", "rollout"), params, "group")
-    batch = gigpo_advantages_batch if op == "gigpo_advantages" else turn_advantages_batch
-    out = batch(None, node, eps, [[t for _, t in pairs], [r for r, _ in pairs]])
+    params = {"estimator": op, "gamma": 0.95, "eps": 1e-6} | ({"omega": 1.0, "norm": "std"} if op == "gigpo" else {})
+    node = Node("adv", "advantages", ("rewards", "rollout"), params, "group")
+    out = advantages_torch(None, node, eps, [[t for _, t in pairs], [r for r, _ in pairs]])
     adv = torch.cat(out["advantages"])
     assert torch.isfinite(adv).all() and adv.abs().max() <= 100
     if identical and len(pairs) > 1:

@@ -17,7 +17,7 @@ from materl.errors import (
     RecipeWarning,
     StepFailedError,
 )
-from materl.graph.trace import ROLLOUT_OPS
+from materl.graph.kinds import KINDS
 from materl.kernels import loader
 from materl.ops.advantages import ADVANTAGES, group_statistics
 
@@ -33,7 +33,10 @@ def test_registering_an_op_kind_twice_is_an_error():
 
 
 def test_rollout_producers_agree_between_graph_and_op_table():
-    assert {k for k in OPS.names() if OPS.get(k).role is Role.ROLLOUT} == set(ROLLOUT_OPS)
+    assert {k for k in OPS.names() if OPS.get(k).role is Role.ROLLOUT} == {k for k, f in KINDS.items() if f.rollout}
+    assert {k for k in OPS.names() if OPS.get(k).role is Role.DATA} == {k for k, f in KINDS.items() if f.data}
+    assert set(KINDS) <= set(OPS.names())  # the graph knows facts of op kinds only
+    assert [OPS.get(k).facts.policy_gradient for k in ("policy_loss", "value_loss")] == [True, False]
 
 
 def test_named_outputs_print_and_resolve():

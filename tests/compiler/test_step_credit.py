@@ -22,7 +22,7 @@ EPISODES = [Episode(i, 0, "g", "p", {}, 0) for i in range(2)]
 
 def node_output(rewards, **params):
     node = Node("advantages", "advantages", ("rewards", "rollout"), {"estimator": "grpo", **params}, "group")
-    return advantages_torch(None, node, EPISODES, [rewards, [ROLLOUT, ROLLOUT]])["advantages"]
+    return torch.stack(advantages_torch(None, node, EPISODES, [rewards, [ROLLOUT, ROLLOUT]])["advantages"])
 
 
 def test_step_rewards_default_to_process_and_sum_is_verl():

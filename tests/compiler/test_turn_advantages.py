@@ -1,5 +1,6 @@
-"""The turn_advantages op kind (materl/compiler/kinds/turn_advantages.py): hand-computed values,
-and a recipe that trains with it."""
+"""Turn-level GRPO (``ml.turn_advantages``: the advantages node with estimator ``turn_grpo``,
+materl/ops/turn_credit.py) through the compiled advantages node: hand-computed values, and a
+recipe that trains with it."""
 
 import math
 
@@ -8,10 +9,14 @@ import torch
 
 import materl as ml
 from materl.compiler.episode import Episode
-from materl.compiler.kinds.turn_advantages import turn_advantages, turn_advantages_batch
+from materl.compiler.kinds.advantages import advantages_torch
+from materl.graph.constructors import turn_advantages
 from materl.graph.node import Node
 from materl.rollout.env import EnvStep
 from materl.rollout.types import Rollout, Step
+
+
+TURN = {"estimator": "turn_grpo"}
 
 
 def gen(n):
@@ -25,8 +30,8 @@ def test_group_statistics_per_turn_position_by_hand():
     c = Rollout([9], [gen(2)])
     rewards = [torch.tensor([0, 1.0, 0, 0, 0]), torch.tensor([0, 0, 0, 0, 1.0]), 2.0]  # C: an outcome reward
     eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(3)]
-    node = Node("adv", "turn_advantages", ("rewards", "rollout"), {"gamma": 1.0, "eps": 0.0}, "group")
-    out = turn_advantages_batch(None, node, eps, [rewards, [a, b, c]])
+    node = Node("adv", "advantages", ("rewards", "rollout"), TURN | {"gamma": 1.0, "eps": 0.0}, "group")
+    out = advantages_torch(None, node, eps, [rewards, [a, b, c]])
     # turn 1 returns: A 1 + 0 = 1, B 0 + 1 = 1, C 2 -> mean 4/3, unbiased std sqrt(1/3)
     # turn 2 returns: A 0, B 1 -> mean 1/2, std sqrt(1/2); C has no turn 2
     s1, s2 = math.sqrt(1 / 3), math.sqrt(1 / 2)
@@ -36,8 +41,8 @@ def test_group_statistics_per_turn_position_by_hand():
     assert out["advantages"][2].tolist() == pytest.approx([(2 - 4 / 3) / s1] * 2)
     assert out["returns"][0].tolist() == pytest.approx([1, 1, 0, 0, 0])
     # gamma discounts across turns: A's turn-1 return is 1 + 0.5 * 0, B's 0 + 0.5 * 1
-    node = node.replace(params={"gamma": 0.5, "eps": 0.0})
-    assert turn_advantages_batch(None, node, eps, [rewards, [a, b, c]])["returns"][1][0].item() == 0.5
+    node = node.replace(params=TURN | {"gamma": 0.5, "eps": 0.0})
+    assert advantages_torch(None, node, eps, [rewards, [a, b, c]])["returns"][1][0].item() == 0.5
 
 
 class TwoTurns:
@@ -68,15 +73,16 @@ def test_a_recipe_trains_with_turn_advantages():
         ml.set_loss(ml.policy_loss(adv, ml.logprobs(policy, prompts, rollout), agg="token_mean"))
 
     step = ml.compile(turn_grpo, policy=ml.Agent("tiny-random", trainable=True), group_size=3, max_new_tokens=6)
-    assert "%adv = turn_advantages(%rewards, %rollout) {gamma=1, eps=1e-06} [group]  <- torch" in step.explain()
+    assert "%adv = advantages(%rewards, %rollout) {estimator='turn_grpo', gamma=1, eps=1e-06} [group]  <- torch" \
+        in step.explain()
     assert step.plan.stage_of("adv") == "group"
     episodes = step.call_blocking(step.rollout, ["say a", "say b"])
     metrics = step.call_blocking(step.learn, episodes)
     assert metrics["episodes"] == 6.0 and math.isfinite(metrics["loss"])
     node = step.plan.nodes["adv"]
     for group in (episodes[:3], episodes[3:]):
-        again = turn_advantages_batch(None, node, group, [[e.values["rewards"] for e in group],
-                                                          [e.values["rollout"] for e in group]])
+        again = advantages_torch(None, node, group, [[e.values["rewards"] for e in group],
+                                                     [e.values["rollout"] for e in group]])
         for e, adv in zip(group, again["advantages"]):
             assert torch.equal(e.resolve("adv"), adv) and len(adv) == len(e.values["rollout"].completion_ids)
     step.close()
@@ -88,8 +94,8 @@ def test_identical_episodes_give_zero_even_without_eps():
     rollouts = [Rollout([9], [gen(2), Step("tool", [7]), gen(2)]) for _ in range(2)]
     rewards = [torch.tensor([0, 0.2, 0, 0, 1.0])] * 2
     eps = [Episode(i, 0, "g", "p", {}, 0) for i in range(2)]
-    node = Node("adv", "turn_advantages", ("rewards", "rollout"), {"gamma": 1.0, "eps": 0.0}, "group")
-    out = turn_advantages_batch(None, node, eps, [rewards, rollouts])
+    node = Node("adv", "advantages", ("rewards", "rollout"), TURN | {"gamma": 1.0, "eps": 0.0}, "group")
+    out = advantages_torch(None, node, eps, [rewards, rollouts])
     assert all((a == 0).all() for a in out["advantages"])
 
 

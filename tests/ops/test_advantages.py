@@ -13,9 +13,11 @@ from hypothesis import strategies as st
 
 from materl.errors import ConfigError, RewardError, ShapeError, UnknownNameError
 from materl.ops.advantages import ADVANTAGES, discounted_returns, dr_grpo, gae, grpo, reinforce_pp, rloo
+from tests.ops.test_turn_credit import rollout_inputs
 
 F64 = torch.float64
-ALL = ["dr_grpo", "gae", "gpg", "grpo", "opo", "process", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
+ALL = ["dr_grpo", "gae", "gigpo", "gpg", "grpo", "opo", "process", "reinforce_pp", "reinforce_pp_baseline", "remax",
+       "rloo", "turn_grpo"]
 
 
 def close(a, b, tol=1e-6):
@@ -150,6 +152,7 @@ def call(name, rewards, mask, g=None, **kw):
         extra = (torch.randn(mask.shape[0], generator=g, dtype=F64),)
     if name == "gae":
         extra = (torch.randn(mask.shape, generator=g, dtype=F64),)
+    extra = (*extra, *rollout_inputs(name, mask))  # turn-level estimators: turns (and states) from the mask
     return ADVANTAGES.get(name)(rewards, mask, *extra, **kw), extra
 
 
@@ -277,6 +280,10 @@ VERL = {
     "reinforce_pp": lambda tlr, m, idx, _: v_rpp(tlr, m, 1.0),
     "remax": lambda tlr, m, idx, extra: v_remax(tlr, extra[0], m),
     "gae": lambda tlr, m, idx, extra: v_gae(tlr, extra[0], m, 1.0, 1.0),
+    # one turn per row (no holes): turn-level GRPO is GRPO; GiGPO's one state per group (the
+    # prompt) makes its step level GRPO too, so omega 1 doubles it; returns: the row's score
+    "turn_grpo": lambda tlr, m, idx, _: (v_grpo(tlr, m, idx), tlr.sum(-1, keepdim=True).expand_as(m)),
+    "gigpo": lambda tlr, m, idx, _: (2 * v_grpo(tlr, m, idx), tlr.sum(-1, keepdim=True).expand_as(m)),
 }
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from materl.errors import ConfigError
 from materl.ops.advantages import ADVANTAGES, grpo
 from materl.ops.step_credit import process, step_ends
+from tests.ops.test_turn_credit import rollout_inputs
 
 F64 = torch.float64
 
@@ -122,7 +123,7 @@ def call(name, rewards, mask, ids):
         extra = [torch.zeros(mask.shape[0], dtype=F64)]
     if name == "gae":
         extra = [torch.zeros_like(mask)]
-    return ADVANTAGES.get(name)(rewards, mask, *extra, group_ids=ids)
+    return ADVANTAGES.get(name)(rewards, mask, *extra, *rollout_inputs(name, mask), group_ids=ids)
 
 
 def group_baseline(name: str) -> bool:
@@ -133,7 +134,7 @@ def group_baseline(name: str) -> bool:
 
 def test_the_group_baseline_estimators_are_marked():
     marked = {n for n in ADVANTAGES.names() if group_baseline(n)}
-    assert marked == {"dr_grpo", "gpg", "grpo", "opo", "process", "reinforce_pp_baseline", "rloo"}
+    assert marked == {"dr_grpo", "gigpo", "gpg", "grpo", "opo", "process", "reinforce_pp_baseline", "rloo", "turn_grpo"}
 
 
 @pytest.mark.parametrize("name", ADVANTAGES.names())

@@ -8,19 +8,16 @@ from materl.compiler.kinds import (
     custom,
     distill,
     forward,
-    gigpo_advantages,
     judge,
     losses,
     principles,
     rewards,
     rollout,
-    turn_advantages,
 )
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
-         *turn_advantages.SPECS, *gigpo_advantages.SPECS, *agents.SPECS, *judge.SPECS,
-         *distill.SPECS, *principles.SPECS)
+         *agents.SPECS, *judge.SPECS, *distill.SPECS, *principles.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)

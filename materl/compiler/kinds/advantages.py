@@ -7,6 +7,10 @@ supervision, ``materl.ops.step_credit``) unless the node says ``step_credit="sum
 
 Inputs: rewards, the scored rollout (its loss mask), then the estimator's extra tensors
 (a baseline or values), then with ``kl_coef > 0`` the reference and the policy log-probs.
+Estimators that read the rollouts' turns (turn-level GRPO, GiGPO: ``materl.ops.turn_credit``)
+get them from ``materl.compiler.turns``. A per-completion reward among token-level ones lands on
+its row's last trained token. Each episode's advantages and returns are as long as its
+completion.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode, as_rollout, pad_rows, to_tensor
+from materl.compiler.episode import Episode, as_rollout, is_scalar, pad_rows, to_tensor
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
+from materl.compiler.turns import ROLLOUT_PARAMS, rollout_tensors
 from materl.errors import CompileError
 from materl.graph.node import Node
 from materl.kernels.advantages import ESTIMATORS, group_advantages
@@ -29,12 +34,12 @@ from materl.ops.step_credit import GRPO_FAMILY, PROCESS_SCALES
 def _tensors(node: Node, inputs: list[list]) -> tuple[Tensor, Tensor, list[Tensor], dict]:
     """(rewards, mask, extra tensors, estimator hyperparameters), the KL penalty applied."""
     p = dict(node.params)
-    p.pop("estimator")
-    p.pop("step_credit", None)
+    for key in ("estimator", "step_credit", *ROLLOUT_PARAMS):
+        p.pop(key, None)
     kl_coef, kl = p.pop("kl_coef", 0.0), p.pop("kl", "k1")
     mask = pad_rows([as_rollout(x).loss_mask for x in inputs[1]])
     width = mask.shape[1]
-    rewards = to_tensor(inputs[0], width=width)
+    rewards = _rewards(inputs[0], mask)
     n_extra = len(inputs) - 2 - (2 if kl_coef else 0)
     extra = [to_tensor(v, width=width) for v in inputs[2:2 + n_extra]]
     if kl_coef:
@@ -43,6 +48,23 @@ def _tensors(node: Node, inputs: list[list]) -> tuple[Tensor, Tensor, list[Tenso
             rewards = place_on_last_trained(rewards, mask)
         rewards = rewards - kl_coef * kl_penalty(old, ref, estimator=kl) * mask
     return rewards, mask, extra, p
+
+
+def _rewards(items, mask: Tensor) -> Tensor:
+    """(B,) per-completion rewards, or (B,T) token-level ones where any row has them; a row's
+    single number among token-level rows goes on its last trained token."""
+    if isinstance(items, Tensor) or all(is_scalar(x) for x in items):
+        return to_tensor(items, width=mask.shape[1])
+    rows = [place_on_last_trained(to_tensor([x]), mask[i:i + 1])[0] if is_scalar(x) else x
+            for i, x in enumerate(items)]
+    return to_tensor(rows, width=mask.shape[1])
+
+
+def _per_episode(out: dict[str, Tensor], inputs: list[list]) -> dict[str, list[Tensor]]:
+    """Each output as one row per episode, cut to its completion (a TOKENS value is as long as it,
+    whatever the other episodes of the call)."""
+    lengths = [sum(len(s.token_ids) for s in as_rollout(x).steps) for x in inputs[1]]
+    return {k: [v[i, :n] for i, n in enumerate(lengths)] for k, v in out.items()}
 
 
 def _estimator(node: Node, inputs: list[list], hp: dict) -> tuple[str, dict]:
@@ -67,9 +89,11 @@ def _estimator(node: Node, inputs: list[list], hp: dict) -> tuple[str, dict]:
 def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     rewards, mask, extra, hp = _tensors(node, inputs)
     est, hp = _estimator(node, inputs, hp)
-    adv, returns = ADVANTAGES.get(est)(
-        rewards.double(), mask.double(), *[e.double() for e in extra], group_ids=[ep.group_id for ep in eps], **hp)
-    return {"advantages": adv.float(), "returns": returns.float()}
+    fn = ADVANTAGES.get(est)
+    derived = rollout_tensors(fn, node, [as_rollout(x) for x in inputs[1]], mask.shape[1])
+    adv, returns = fn(rewards.double(), mask.double(), *[e.double() for e in extra], *derived,
+                      group_ids=[ep.group_id for ep in eps], **hp)
+    return _per_episode({"advantages": adv.float(), "returns": returns.float()}, inputs)
 
 
 def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
@@ -79,7 +103,7 @@ def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]
         return advantages_torch(run, node, eps, inputs)
     adv = group_advantages(rewards.double(), mask.double(), estimator=node.params["estimator"],
                            group_ids=[ep.group_id for ep in eps], impl="mojo", **hp).float()
-    return {"advantages": adv, "returns": adv}
+    return _per_episode({"advantages": adv, "returns": adv}, inputs)
 
 
 def _mojo_when(node: Node, options) -> str | None:
@@ -99,6 +123,22 @@ def _locality(node: Node) -> str:
     return "group" if group and node.params.get("scale", "group") != "batch" else "batch"
 
 
+def _resolve(node: Node, options, defaults) -> Node:
+    """The estimator left to compile time (the compile option ``advantage``, else the recipe's
+    default, else grpo) and the compile option ``step_credit`` on a node that does not set its own."""
+    if node.params.get("estimator") is None:
+        est = options.advantage or defaults.get("advantage") or "grpo"
+        node = node.replace(params={**node.params, "estimator": est})
+    credit = options.step_credit
+    if credit is None or node.params.get("step_credit") is not None:
+        return node
+    if node.params["estimator"] not in GRPO_FAMILY:
+        raise CompileError(f"compile option step_credit={credit!r} applies to the GRPO family "
+                           f"({', '.join(GRPO_FAMILY)}); node {node.name!r} uses estimator "
+                           f"{node.params['estimator']!r}, which sums step rewards like verl (leave step_credit unset)")
+    return node.replace(params={**node.params, "step_credit": credit})
+
+
 def _without_reference(node: Node) -> Node:
     if node.params.get("kl_coef"):
 
@@ -111,6 +151,6 @@ SPECS = (
     OpSpec("advantages", Role.SCORE, (Output("advantages", Kind.TOKENS), Output("returns", Kind.TOKENS)), (
         Impl("mojo", batch=advantages_mojo, when=_mojo_when, kernel=True),
         Impl("torch", batch=advantages_torch),
-    ), locality=_locality, without_reference=_without_reference,
+    ), locality=_locality, without_reference=_without_reference, resolve=_resolve,
         doc="per-token advantages and returns from rewards (a registered estimator)"),
 )

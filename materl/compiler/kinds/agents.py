@@ -138,6 +138,6 @@ def _name_of(fn) -> str:
 
 SPECS = (
     OpSpec("agent_episodes", Role.ROLLOUT, (Output("rollout", Kind.ROLLOUT),),
-           (Impl("endpoint", episode=agent_episode),), locality="episode",
+           (Impl("endpoint", episode=agent_episode),), locality="episode", may_call_tools=lambda node: True,
            doc="the user's agent code against an OpenAI-compatible endpoint served by the policy"),
 )

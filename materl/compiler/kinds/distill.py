@@ -20,7 +20,7 @@ from typing import Any
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, as_rollout, pad_rows, to_tensor
-from materl.compiler.spec import Impl, Kind, OpSpec, Output, RecipeInfo, Role
+from materl.compiler.spec import Impl, Kind, OpSpec, Output, RecipeInfo, Role, spec_of
 from materl.graph.node import Node, ref_node
 from materl.ops.distill import distill_advantages
 
@@ -53,7 +53,7 @@ def check_distill(node: Node, info: RecipeInfo) -> list[str]:
     sources = {role: info.producer(node.inputs[i]) for i, role in ((1, "student"), (2, "teacher"))}
     bad = [f"node {node.name!r}: its {role} log-probs %{node.inputs[i]} come from "
            f"{'op ' + n.op if n is not None else 'no node'}; they must come from ml.logprobs"
-           for (role, n), i in zip(sources.items(), (1, 2)) if n is None or n.op != "logprobs"]
+           for (role, n), i in zip(sources.items(), (1, 2)) if n is None or not spec_of(n).facts.logprobs]
     if bad:
         return bad
     student, teacher = sources["student"], sources["teacher"]
@@ -85,14 +85,18 @@ def _sequences(logprobs_node: Node) -> list[str]:
 
 def teacher_agents(plan) -> set[str]:
     """The agents a kept distill node reads as teachers (never references that follow the policy)."""
-    return {plan.nodes[ref_node(plan.nodes[n].inputs[2])].agents[0] for n in plan.order
-            if plan.nodes[n].op == "distill_advantages"}
+    teachers = set()
+    for node in (plan.nodes[n] for n in plan.order):
+        i = spec_of(node).teacher_input
+        if i is not None:
+            teachers.add(plan.nodes[ref_node(node.inputs[i])].agents[0])
+    return teachers
 
 
 SPECS = (
     OpSpec("distill_advantages", Role.SCORE,
            (Output("advantages", Kind.TOKENS), Output("reverse_kl", Kind.TOKENS)),
-           (Impl("torch", batch=distill_torch),), locality="batch", check=check_distill,
+           (Impl("torch", batch=distill_torch),), locality="batch", check=check_distill, teacher_input=2,
            doc="on-policy distillation: per-token advantages -coef * (student - teacher log-prob), "
                "optionally discounted, added to task advantages"),
 )

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from materl.compiler.kinds.forward import prepared_logprobs, recomputes
-from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
+from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role, spec_of
 from materl.graph.node import Node
 from materl.kernels import policy_loss as fused
 from materl.kernels.policy_loss import learner_policy_loss
@@ -123,7 +123,7 @@ def check_correction(node: Node, info) -> list[str]:
         return [f"policy loss {node.name!r}: correction must be {{'method': one of {', '.join(CORRECTIONS.names())}, "
                 f"...its hyperparameters}} (ml.with_off_policy_correction writes it); got {corr!r}"]
     producer = info.producer(node.inputs[1])
-    if producer is not None and producer.op == "logprobs" and recomputes(producer):
+    if producer is not None and spec_of(producer).facts.logprobs and recomputes(producer):
         return []
     what = f"%{producer.name} ({producer.op})" if producer is not None else f"%{node.inputs[1]}"
     return [f"policy loss {node.name!r} has an off-policy correction ({node.params['correction']['method']}) but "
@@ -166,10 +166,16 @@ def _old_values(learner, values_node: Node, rows, values: Tensor) -> Tensor:
     return learner.batch.stacked(values_node.name, rows, width=values.shape[1])
 
 
+def _reads_advantages_not_returns(producer: Node) -> bool:
+    """A value target read as ``%producer`` whose default output is advantages beside returns."""
+    names = [o.name for o in spec_of(producer).outputs]
+    return names[0] == "advantages" and "returns" in names
+
+
 def check_value_targets(node: Node, info) -> list[str]:
     target = node.inputs[1]
     producer = info.producer(target)
-    if producer is not None and producer.op == "advantages" and "." not in target:
+    if producer is not None and "." not in target and _reads_advantages_not_returns(producer):
         return [f"value_loss {node.name!r} targets %{target}, the advantages; the value targets are the returns: "
                 f"ml.value_loss(values, {target}.returns) (or the rewards, discounted to go)"]
     return []

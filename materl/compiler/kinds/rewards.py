@@ -24,7 +24,7 @@ from torch import Tensor
 
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, as_rollout, pad_rows
-from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
+from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role, may_be_turn
 from materl.errors import CompileError, ShapeError
 from materl.graph.node import Node
 from materl.kernels.fusion import RewardChain, fusable
@@ -278,7 +278,7 @@ def check_rewards(node: Node, info) -> list[str]:
     for term in node.params["terms"]:
         if "step" in term:
             producer = info.producer(node.inputs[term["step"]])
-            if producer is not None and producer.op not in ("generate_step", "call"):
+            if producer is not None and not may_be_turn(producer):
                 problems.append(f"reward {term['label']!r} has step={node.inputs[term['step']]!r}, a {producer.op} "
                                 f"value, so it would land nowhere; step= takes a generate_step value (the turn "
                                 f"whose last token receives the reward)")

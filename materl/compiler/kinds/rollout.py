@@ -10,7 +10,7 @@ import anyio
 
 from materl.compiler.context import Run, sampling
 from materl.compiler.episode import Episode
-from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
+from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role, may_be_turn, spec_of
 from materl.errors import EpisodeError
 from materl.graph.node import Node
 from materl.rollout.env import run_env_episode
@@ -90,7 +90,7 @@ def check_generate_step(node: Node, info) -> list[str]:
     """A turn that continues a model turn must answer that turn's tool calls."""
     history, *rest = [r for r in node.inputs if not r.startswith("@")]
     prev = info.producer(history)
-    if prev is not None and prev.op == "generate_step" and not rest:
+    if prev is not None and spec_of(prev).turn and not rest:
         return [f"generate_step {node.name!r} continues {prev.name!r} without its tool results, so a call "
                 f"{prev.name!r} makes would get an empty tool turn; write ml.generate_step(policy, "
                 f"{prev.name}.history, ml.call_tools({prev.name}, tools=toolbox), ...)"]
@@ -101,7 +101,7 @@ def check_call_tools(node: Node, info) -> list[str]:
     """call_tools runs a model turn's calls: it reads a generate_step (or a custom op's value)."""
     step_ref = next(r for r in node.inputs if not r.startswith("@"))
     prev = info.producer(step_ref)
-    if prev is not None and prev.op not in ("generate_step", "call"):
+    if prev is not None and not may_be_turn(prev):
         return [f"call_tools {node.name!r} reads {step_ref!r} (op {prev.op}); it runs the tool calls of a "
                 f"generate_step: ml.call_tools(<a generate_step value>, tools=toolbox)"]
     return []
@@ -116,11 +116,13 @@ SPECS = (
            doc="one sampled completion (a one-step Rollout)"),
     OpSpec("generate_step", Role.ROLLOUT, (Output("step", Kind.ROLLOUT),),
            (Impl("engine", episode=generate_step_impl),), locality="episode", check=check_generate_step,
+           turn=True, may_call_tools=lambda node: bool(node.params.get("tools")),
            doc="one model turn of a multi-turn episode (after the previous turn's tool results)"),
     OpSpec("structure_rollout", Role.ROLLOUT, _ROLLOUT, (Impl("python", episode=structure_rollout),),
            locality="episode", doc="the episode's Rollout: ordered generate and tool steps with loss masks"),
     OpSpec("env_rollout", Role.ROLLOUT, _ROLLOUT, (Impl("engine", episode=env_rollout),), locality="episode",
            doc="a multi-turn episode against a fresh environment"),
     OpSpec("call_tools", Role.TOOLS, (Output("results", Kind.OBJECT),), (Impl("mcp", episode=call_tools),),
-           locality="episode", check=check_call_tools, doc="a generate step's tool calls, run concurrently"),
+           locality="episode", check=check_call_tools, may_call_tools=lambda node: True,
+           doc="a generate step's tool calls, run concurrently"),
 )
