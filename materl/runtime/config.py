@@ -5,10 +5,11 @@
     cfg.compile_options()              # materl.compiler.options.CompileOptions
     config_to_dict(cfg)                # plain dict (saved into checkpoints)
 
-Sections: ``model``, ``ref_model``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
+Sections: ``model``, ``ref_model``, ``teacher``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
 ``train``, ``logging``. Every key has one default, here. Unknown keys are errors (a typo is not
 silently ignored). A bad value raises :class:`~materl.errors.ConfigError` naming the field path
-(``train.steps``), the value received and the accepted range or choices.
+(``train.steps``), the value received, the accepted range or choices and, for a file, the line
+of the key (``run.yaml:12``).
 
 Overrides are ``dotted.path=value``; the value is parsed as a YAML scalar (``3`` is an int,
 ``1e-5`` a float, ``true`` a bool, ``null`` None, ``[1, 2]`` a list); list items are addressed by
@@ -41,6 +42,7 @@ from materl.errors import ConfigError, MaterlError
 from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
 from materl.runtime.curriculum import Curriculum, check_knobbed
+from materl.runtime.checkpoint_meta import is_checkpoint
 from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.logging import require_backend
 from materl.runtime.reasoning_tasks import is_task_source, task_from_source
@@ -106,14 +108,7 @@ class ModelSection(_Section):
     @field_validator("device")
     @classmethod
     def _known_device(cls, v: str | None) -> str | None:
-        if v is not None:
-            import torch
-
-            try:
-                torch.device(v)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device {v!r} is not a torch device; valid: cpu, cuda, cuda:N or null") from None
-        return v
+        return _check_device(v)
 
     @field_validator("name")
     @classmethod
@@ -137,6 +132,54 @@ class RefModelSection(_Section):
     @classmethod
     def _known_model(cls, v: str | None) -> str | None:
         return None if v is None else _check_model(v)
+
+
+class TeacherSection(_Section):
+    """The frozen teacher of on-policy distillation (docs/recipes.md): a named model, an HF folder,
+    or a materl checkpoint (a ``step-NNNNNN`` folder or a run dir, whose ``agent`` is rebuilt
+    from its agent.json and loaded). ``device``/``dtype`` null: the model section's;
+    ``engine``/``engine_options`` as ``ml.Agent``'s (null: the default engine for the device).
+    A recipe with a ``teacher`` parameter (``distill``) gets it there; any other recipe becomes
+    ``ml.with_distillation(recipe, "teacher", weight, discount=discount)``."""
+    name: str
+    agent: str = "policy"  # the checkpoint's agent (a checkpoint teacher only)
+    weight: float | None = Field(default=None, ge=0.0)  # with_distillation's weight; null: 1.0
+    discount: float | None = Field(default=None, ge=0.0, le=1.0)  # with_distillation's discount; null: 0.0
+    device: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    engine: str | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _known_teacher(cls, v: str) -> str:
+        if v in NAMED_MODELS or (Path(v).expanduser() / "config.json").is_file() or is_checkpoint(v):
+            return v
+        raise ValueError(f"teacher {v!r} is neither a named model, a folder with config.json nor a materl checkpoint "
+                         f"(a step-NNNNNN folder or a run dir with checkpoints/){did_you_mean(v, NAMED_MODELS.names())}"
+                         f"; named models: {', '.join(NAMED_MODELS.names())}")
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        return _check_device(v)
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str | None) -> str | None:
+        from materl.engines import ENGINES
+
+        if v is not None and v not in ENGINES:
+            raise ValueError(f"unknown engine {v!r}{did_you_mean(v, ENGINES.names())}; accepted: "
+                             f"{', '.join(ENGINES.names())} or null (the default for the device)")
+        return v
+
+    @model_validator(mode="after")
+    def _agent_of_a_checkpoint(self):
+        if "agent" in self.model_fields_set and not is_checkpoint(self.name):
+            raise ValueError(f"teacher.agent={self.agent!r} picks an agent of a checkpoint, but teacher.name "
+                             f"{self.name!r} is a model, not a checkpoint; remove teacher.agent")
+        return self
 
 
 class RewardSpec(_Section):
@@ -315,6 +358,7 @@ class TrainConfig(_Section):
     """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""
     model: ModelSection = Field(default_factory=ModelSection)
     ref_model: RefModelSection = Field(default_factory=RefModelSection)
+    teacher: TeacherSection | None = None  # on-policy distillation (docs/recipes.md)
     recipe: str = "grpo"
     rewards: list[RewardSpec] = Field(default_factory=list)  # empty: the recipe's own rewards
     tools: list[str] = Field(default_factory=list)  # MCP server command lines or http(s) URLs
@@ -388,7 +432,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         apply_override(data, item)
     resolve_data_source(data, path.parent)
-    cfg = validate_config(data, where=str(path))
+    lines = key_lines(path.read_text(encoding="utf-8"))
+    for item in overrides:  # an overridden key's value is not the file's: no line (0) for it and what it holds
+        key = tuple(int(p) if p.isdigit() else p for p in item.partition("=")[0].strip().split("."))
+        lines = {**{k: v for k, v in lines.items() if k[:len(key)] != key}, key: 0}
+    cfg = validate_config(data, where=str(path), lines=lines)
     cfg._base_dir = path.resolve().parent
     return cfg
 
@@ -419,13 +467,24 @@ def read_config_data(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
-    """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure."""
+def validate_config(data: dict[str, Any], *, where: str = "config", lines: dict[tuple, int] | None = None
+                    ) -> TrainConfig:
+    """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure, each
+    with the ``where:line`` of its key when ``lines`` (``key_lines``) has it."""
+    lines = lines or {}
+
+    def locate(loc: tuple) -> str | None:
+        for n in range(len(loc), 0, -1):  # the key itself, else the nearest section written in the file
+            if loc[:n] in lines:
+                return f"{where}:{lines[loc[:n]]}" if lines[loc[:n]] else None
+        return None
+
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(describe(e, TrainConfig, where=f"config ({where})")) from None
+        raise ConfigError(describe(e, TrainConfig, where=f"config ({where})", locate=locate)) from None
     _check_data_source(cfg.data, where)
+    check_teacher(cfg, recipe_has_teacher(cfg.recipe), where, lines)
     return cfg
 
 
@@ -470,6 +529,67 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 # ----------------------------------------------------------------------------- checks and messages
+
+
+def _check_device(v: str | None) -> str | None:
+    if v is not None:
+        import torch
+
+        try:
+            torch.device(v)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {v!r} is not a torch device; valid: cpu, cuda, cuda:N or null") from None
+    return v
+
+
+def recipe_has_teacher(recipe: str) -> bool | None:
+    """Whether the built-in ``recipe`` takes a ``teacher`` agent (None: a user recipe, known at build)."""
+    found = materl.recipes.RECIPES.get(recipe)
+    if found is not None:
+        return "teacher" in found.params
+    return False if recipe in materl.recipes.FACTORIES else None
+
+
+def check_teacher(cfg: TrainConfig, has_teacher: bool | None, where: str, lines: dict[tuple, int]) -> None:
+    """A recipe with a ``teacher`` parameter needs the teacher section; ``teacher.weight`` and
+    ``teacher.discount`` set with_distillation's terms, which such a recipe sets itself."""
+    def at(*path: str) -> str:
+        return f"{where}:{lines[path]}" if path in lines else where
+
+    if has_teacher and cfg.teacher is None:
+        raise ConfigError(f"recipe {cfg.recipe!r} distils from a teacher, but the config has no teacher section "
+                          f"({at('recipe')}); add one, e.g. teacher: {{name: runs/calculator}} (a model name, an HF "
+                          f"folder or a checkpoint)")
+    if has_teacher and cfg.teacher is not None:
+        for key in ("weight", "discount"):
+            if getattr(cfg.teacher, key) is not None:
+                raise ConfigError(f"teacher.{key}={getattr(cfg.teacher, key)!r} ({at('teacher', key)}) applies "
+                                  f"ml.with_distillation to a recipe without a teacher, but recipe {cfg.recipe!r} has "
+                                  f"its own teacher term; remove teacher.{key} (or use its recipe's coefficients)")
+
+
+def key_lines(text: str) -> dict[tuple, int]:
+    """The 1-based line of each key of a YAML config, by path (``("teacher", "name") -> 12``;
+    list items by index); {} for text that is not YAML."""
+    try:
+        root = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple, int] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    out[(*path, key.value)] = key.start_mark.line + 1
+                    walk(value, (*path, key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                out[(*path, i)] = value.start_mark.line + 1
+                walk(value, (*path, i))
+
+    walk(root, ())
+    return out
 
 
 def _check_model(name: str) -> str:
