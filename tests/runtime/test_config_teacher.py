@@ -58,13 +58,15 @@ def test_any_other_recipe_is_distilled_with_the_weight_and_discount(tmp_path, te
     compiled.close()
 
 
-def test_a_checkpoint_teacher_is_rebuilt_with_its_trained_weights(tmp_path):
-    trained = Agent("tiny-random", trainable=True)
+@pytest.mark.parametrize("lora", [None, {"r": 4}], ids=["full", "lora"])
+def test_a_checkpoint_teacher_is_rebuilt_with_its_trained_weights(tmp_path, lora):
+    trained = Agent("tiny-random", trainable=True, lora=lora)
+    learned = [p for p in trained.model.parameters() if p.requires_grad]
     with torch.no_grad():
-        for p in trained.model.parameters():
+        for p in learned:
             p.add_(0.01)
     save_checkpoint(tmp_path / "teacher_run", 3, agents={"policy": trained},
-                    optimizers={"policy": torch.optim.SGD(trained.model.parameters(), lr=0.1)})
+                    optimizers={"policy": torch.optim.SGD(learned, lr=0.1)})
     path = write(tmp_path, f"recipe: distill\nteacher: {{name: {tmp_path / 'teacher_run'}}}\n")
     compiled, _, _ = build_from_config(load_config(path), load_data=False)
     teacher = compiled.agents["teacher"]
