@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -20,16 +21,26 @@ _BOUNDS = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than
            "less_than": "< {lt}"}
 
 
-def describe(err: ValidationError, model: type[BaseModel], *, where: str, path_prefix: str = "") -> str:
-    """One line per failure; several failures get a summary line first."""
-    lines = [describe_one(e, model, path_prefix) for e in err.errors(include_url=False)]
+def describe(err: ValidationError, model: type[BaseModel], *, where: str, path_prefix: str = "",
+             locate: Callable[[tuple], str | None] | None = None) -> str:
+    """One line per failure; several failures get a summary line first. ``locate(loc)``, when
+    given, says where the failing key was written (``run.yaml:12``), appended in parentheses."""
+    lines = []
+    for e in err.errors(include_url=False):
+        line, at = describe_one(e, model, path_prefix), locate(_loc(e)) if locate else None
+        lines.append(f"{line} ({at})" if at else line)
     if len(lines) == 1:
         return f"invalid {where}: {lines[0]}"
     return f"invalid {where}, {len(lines)} errors:\n  " + "\n  ".join(lines)
 
 
+def _loc(e: dict[str, Any]) -> tuple:
+    """The error's field path, without pydantic's validator steps."""
+    return tuple(p for p in e["loc"] if not isinstance(p, str) or not p.startswith(("function-", "tuple[")))
+
+
 def describe_one(e: dict[str, Any], model: type[BaseModel], path_prefix: str = "") -> str:
-    loc = tuple(p for p in e["loc"] if not isinstance(p, str) or not p.startswith(("function-", "tuple[")))
+    loc = _loc(e)
     path = path_prefix + ".".join(str(p) for p in loc) if loc else path_prefix.rstrip(".") or "(top level)"
     kind, ctx, value = e["type"], e.get("ctx") or {}, e.get("input")
     if kind == "extra_forbidden":

@@ -11,7 +11,10 @@ from pathlib import Path
 
 import materl as ml
 from materl.compiler.compiled import Compiled
+from materl.errors import ConfigError
+from materl.runtime.checkpoint_meta import is_checkpoint
 from materl.runtime.config import eval_level
+from materl.runtime.export import agent_from_checkpoint
 from materl.runtime.data import load_rows
 from materl.runtime.reasoning_tasks import REWARD, is_task_source, task_from_source
 from materl.runtime.resolve import import_symbol, is_dotted, resolve_recipe
@@ -41,11 +44,19 @@ def build_from_config(cfg, *, load_data: bool = True):
             return total
 
         recipe = ml.replace(recipe, "rewards", rewards)
+    if cfg.teacher is not None and "teacher" not in recipe.params:
+        recipe = ml.with_distillation(recipe, "teacher", 1.0 if cfg.teacher.weight is None else cfg.teacher.weight,
+                                      discount=cfg.teacher.discount or 0.0)
+    elif cfg.teacher is None and "teacher" in recipe.params:  # a user recipe (built-in ones are checked on load)
+        raise ConfigError(f"recipe {cfg.recipe!r} distils from a teacher, but the config has no teacher section; add "
+                          f"one, e.g. teacher: {{name: runs/calculator}} (a model name, an HF folder or a checkpoint)")
     if cfg.distributed.correction is not None:
         hparams = dict(cfg.distributed.correction)
         recipe = ml.with_off_policy_correction(recipe, hparams.pop("method"), **hparams)
     placed = dict(device=cfg.model.device, compute_dtype=cfg.model.dtype)
     agents = {"policy": ml.Agent(cfg.model.name, trainable=True, lora=cfg.model.lora, **placed)}
+    if cfg.teacher is not None:
+        agents["teacher"] = teacher_agent(cfg.teacher, **placed)
     if "ref_policy" in recipe.agents:
         agents["ref_policy"] = ml.Agent(cfg.ref_model.name or cfg.model.name, **placed)
     if "value_model" in recipe.agents:
@@ -53,6 +64,17 @@ def build_from_config(cfg, *, load_data: bool = True):
     compiled = Compiled(recipe, agents, options)
     train_rows, test_rows = _data_from_config(cfg) if load_data else ([], [])
     return compiled, train_rows, test_rows
+
+
+def teacher_agent(spec, *, device=None, compute_dtype=None) -> ml.Agent:
+    """The frozen teacher of a config's ``teacher`` section (``TeacherSection``): a named model or
+    HF folder, or a checkpoint's agent rebuilt and its weights loaded (``rebuild_agent``);
+    ``device``/``compute_dtype``: the model section's, unless the teacher sets its own."""
+    options = dict(device=spec.device or device, compute_dtype=spec.dtype or compute_dtype, engine=spec.engine,
+                   engine_options=spec.engine_options, trainable=False)
+    if not is_checkpoint(spec.name):
+        return ml.Agent(spec.name, **options)
+    return agent_from_checkpoint(spec.name, spec.agent, **options)
 
 
 def _data_from_config(cfg) -> tuple[list, list]:

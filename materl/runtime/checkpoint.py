@@ -53,16 +53,16 @@ import torch
 
 from materl.errors import CheckpointError, ConfigError
 from materl.runtime import signals
-from materl.runtime.checkpoint_meta import LATEST, READABLE, STATE, read_latest, read_state
+from materl.runtime.checkpoint_meta import CHECKPOINTS, LATEST, READABLE, STATE, read_latest, read_state
+from materl.runtime.checkpoint_meta import PREFIX as _PREFIX
+from materl.runtime.checkpoint_meta import complete as _complete
 from materl.runtime.config import config_to_dict
 from materl.runtime.manifest import MANIFEST, confined, has_manifest, save_error, verify, write_manifest, writing
 from materl.runtime.pids import alive
 from materl.runtime.rng import rng_state, set_rng_state
 
 FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified
-CHECKPOINTS = "checkpoints"
 BEST = "best"  # pointer file naming the best checkpoint (early stopping); never pruned
-_PREFIX = "step-"
 _TMP = ".tmp-"
 
 
@@ -326,11 +326,6 @@ def _candidates(path_or_run_dir: str | os.PathLike) -> tuple[list[Path], bool, l
             return complete, False, problems
     raise ConfigError(f"no checkpoint at {str(p)!r}: expected a step-NNNNNN folder with {MANIFEST} (or {STATE}), or "
                       f"a run dir whose {CHECKPOINTS}/{LATEST} names one")
-
-
-def _complete(folder: Path) -> bool:
-    """A finished save: its manifest (format 2) or, from before manifests, its state.json."""
-    return folder.is_dir() and (has_manifest(folder) or (folder / STATE).is_file())
 
 
 def resolve_checkpoint(path_or_run_dir: str | os.PathLike) -> Path:

@@ -12,10 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from materl.errors import CheckpointError, ConfigError
+from materl.runtime.manifest import has_manifest
 
 READABLE = (1, 2)  # state.json formats this materl loads (2: with manifest.json)
 LATEST = "latest"
 STATE = "state.json"
+CHECKPOINTS = "checkpoints"
+PREFIX = "step-"
 _STEP_NAME = re.compile(r"step-\d{6,}")
 _ONE_PART = re.compile(r"[^/\\\0]+")  # an agent, optimizer or scheduler name: one path part
 
@@ -70,3 +73,16 @@ def read_latest(root: Path) -> tuple[str | None, str | None]:
     if folder.is_symlink() or folder.resolve().parent != root.resolve():
         return None, f"{str(root / LATEST)!r} names {name}, which leads outside this run (to {str(folder.resolve())!r})"
     return name, None
+
+
+def complete(folder: Path) -> bool:
+    """A finished save: its manifest (format 2) or, from before manifests, its state.json."""
+    return folder.is_dir() and (has_manifest(folder) or (folder / STATE).is_file())
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is a finished checkpoint folder, or a run dir or ``checkpoints`` folder
+    holding one (what ``checkpoint.load_checkpoint`` accepts; the config checks names with it)."""
+    p = Path(path).expanduser()
+    return complete(p) or any(complete(d) for root in (p / CHECKPOINTS, p) if root.is_dir()
+                              for d in root.glob(f"{PREFIX}*") if not d.is_symlink())

@@ -5,10 +5,11 @@
     cfg.compile_options()              # materl.compiler.options.CompileOptions
     config_to_dict(cfg)                # plain dict (saved into checkpoints)
 
-Sections: ``model``, ``ref_model``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
+Sections: ``model``, ``ref_model``, ``teacher``, ``recipe``, ``rewards``, ``tools``, ``data``, ``compile``,
 ``train``, ``logging``. Every key has one default, here. Unknown keys are errors (a typo is not
 silently ignored). A bad value raises :class:`~materl.errors.ConfigError` naming the field path
-(``train.steps``), the value received and the accepted range or choices.
+(``train.steps``), the value received, the accepted range or choices and, for a file, the line
+of the key (``run.yaml:12``).
 
 Overrides are ``dotted.path=value``; the value is parsed as a YAML scalar (``3`` is an int,
 ``1e-5`` a float, ``true`` a bool, ``null`` None, ``[1, 2]`` a list); list items are addressed by
@@ -45,6 +46,7 @@ from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.logging import require_backend
 from materl.runtime.reasoning_tasks import is_task_source, task_from_source
 from materl.runtime.resolve import is_dotted
+from materl.runtime.teacher_config import TeacherSection, check_device, check_teacher, recipe_has_teacher
 from materl.validation import describe, did_you_mean
 
 DATA_GENERATORS = ("arithmetic",)
@@ -106,14 +108,7 @@ class ModelSection(_Section):
     @field_validator("device")
     @classmethod
     def _known_device(cls, v: str | None) -> str | None:
-        if v is not None:
-            import torch
-
-            try:
-                torch.device(v)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"device {v!r} is not a torch device; valid: cpu, cuda, cuda:N or null") from None
-        return v
+        return check_device(v)
 
     @field_validator("name")
     @classmethod
@@ -315,6 +310,7 @@ class TrainConfig(_Section):
     """The whole run. ``compile`` is :class:`~materl.compiler.options.CompileOptions` itself."""
     model: ModelSection = Field(default_factory=ModelSection)
     ref_model: RefModelSection = Field(default_factory=RefModelSection)
+    teacher: TeacherSection | None = None  # on-policy distillation (docs/recipes.md)
     recipe: str = "grpo"
     rewards: list[RewardSpec] = Field(default_factory=list)  # empty: the recipe's own rewards
     tools: list[str] = Field(default_factory=list)  # MCP server command lines or http(s) URLs
@@ -388,7 +384,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     for item in overrides:
         apply_override(data, item)
     resolve_data_source(data, path.parent)
-    cfg = validate_config(data, where=str(path))
+    lines = key_lines(path.read_text(encoding="utf-8"))
+    for item in overrides:  # an overridden key's value is not the file's: no line (0) for it and what it holds
+        key = tuple(int(p) if p.isdigit() else p for p in item.partition("=")[0].strip().split("."))
+        lines = {**{k: v for k, v in lines.items() if k[:len(key)] != key}, key: 0}
+    cfg = validate_config(data, where=str(path), lines=lines)
     cfg._base_dir = path.resolve().parent
     return cfg
 
@@ -419,13 +419,24 @@ def read_config_data(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def validate_config(data: dict[str, Any], *, where: str = "config") -> TrainConfig:
-    """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure."""
+def validate_config(data: dict[str, Any], *, where: str = "config", lines: dict[tuple, int] | None = None
+                    ) -> TrainConfig:
+    """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure, each
+    with the ``where:line`` of its key when ``lines`` (``key_lines``) has it."""
+    lines = lines or {}
+
+    def locate(loc: tuple) -> str | None:
+        for n in range(len(loc), 0, -1):  # the key itself, else the nearest section written in the file
+            if loc[:n] in lines:
+                return f"{where}:{lines[loc[:n]]}" if lines[loc[:n]] else None
+        return None
+
     try:
         cfg = TrainConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(describe(e, TrainConfig, where=f"config ({where})")) from None
+        raise ConfigError(describe(e, TrainConfig, where=f"config ({where})", locate=locate)) from None
     _check_data_source(cfg.data, where)
+    check_teacher(cfg, recipe_has_teacher(cfg.recipe), where, lines)
     return cfg
 
 
@@ -470,6 +481,30 @@ def apply_override(data: dict[str, Any], item: str) -> None:
 
 
 # ----------------------------------------------------------------------------- checks and messages
+
+
+def key_lines(text: str) -> dict[tuple, int]:
+    """The 1-based line of each key of a YAML config, by path (``("teacher", "name") -> 12``;
+    list items by index); {} for text that is not YAML."""
+    try:
+        root = yaml.compose(text, Loader=_Loader)
+    except yaml.YAMLError:
+        return {}
+    out: dict[tuple, int] = {}
+
+    def walk(node: Any, path: tuple) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    out[(*path, key.value)] = key.start_mark.line + 1
+                    walk(value, (*path, key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, value in enumerate(node.value):
+                out[(*path, i)] = value.start_mark.line + 1
+                walk(value, (*path, i))
+
+    walk(root, ())
+    return out
 
 
 def _check_model(name: str) -> str:

@@ -36,16 +36,13 @@ def export(checkpoint: Checkpoint | str | os.PathLike, out_dir: str | os.PathLik
            merge_lora: bool = True) -> Path:
     """Write agent ``agent`` of ``checkpoint`` (a Checkpoint, checkpoint folder or run dir) to
     ``out_dir`` as an HF folder; returns ``out_dir``. ``out_dir`` must be empty or absent."""
-    from safetensors.torch import load_model
-
     ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
-    weights = ckpt.model_file(agent)  # ConfigError listing the agents when absent
+    ckpt.model_file(agent)  # ConfigError listing the agents when absent
     info = ckpt.agents[agent]
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"export: output folder {str(out)!r} exists and is not empty; pick a new folder")
-    built = rebuild_agent(info)
-    load_model(built.model, str(weights), strict=True)
+    built = agent_from_checkpoint(ckpt, agent)
     merged = bool(merge_lora and info.get("lora"))
     out.mkdir(parents=True, exist_ok=True)
     if merge_lora or not info.get("lora"):
@@ -83,9 +80,23 @@ def _umask() -> int:
     return old
 
 
-def rebuild_agent(info: dict[str, Any]):
+def agent_from_checkpoint(checkpoint: Checkpoint | str | os.PathLike, agent: str = "policy", **options: Any):
+    """Agent ``agent`` of ``checkpoint`` (a Checkpoint, checkpoint folder or run dir): rebuilt
+    from its agent.json (``rebuild_agent``, ``options`` passed on) and its model.safetensors
+    loaded, strictly, now. ConfigError listing the checkpoint's agents when it has no ``agent``."""
+    from safetensors.torch import load_model
+
+    ckpt = checkpoint if isinstance(checkpoint, Checkpoint) else load_checkpoint(checkpoint)
+    weights = ckpt.model_file(agent)
+    built = rebuild_agent(ckpt.agents[agent], **options)
+    load_model(built.model, str(weights), strict=True, device=str(built.device))
+    return built
+
+
+def rebuild_agent(info: dict[str, Any], **options: Any):
     """A fresh ``materl.agent.Agent`` with the model, head, LoRA and dtype recorded in
-    ``agent.json`` (always on the in-process transformers engine: exporting needs no server)."""
+    ``agent.json``; ``options`` (``trainable``, ``device``, ``engine``, ...) as ``Agent``'s, by
+    default the recorded ``trainable`` on the default engine (exporting needs no server)."""
     import torch
 
 
@@ -94,5 +105,5 @@ def rebuild_agent(info: dict[str, Any]):
         raise ConfigError(f"agent.json does not say which model to rebuild (an Agent built from an nn.Module "
                           f"cannot be exported from a checkpoint): {info!r}")
     dtype = getattr(torch, str(info.get("dtype") or "float32"))
-    return Agent(name, trainable=bool(info.get("trainable")), head=info.get("head"), lora=info.get("lora"),
-                 dtype=dtype)
+    options = {"trainable": bool(info.get("trainable")), **options}
+    return Agent(name, head=info.get("head"), lora=info.get("lora"), dtype=dtype, **options)
