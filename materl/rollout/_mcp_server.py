@@ -387,6 +387,7 @@ class _MCPBackend:
 
     def __init__(self, spec: MCPServer, name: str, policy: ServerPolicy):
         self.spec, self.name, self.policy = spec, name, policy
+        self.timeout_s = policy.timeout_s
         self.stats: Counter = Counter()
         self.tools: list[Any] = []
         self.retry_safe_tools: frozenset[str] = frozenset()

@@ -74,12 +74,12 @@ import anyio
 from materl.errors import ConfigError, ToolError
 from materl.rollout._json_calls import clean_value
 from materl.rollout._mcp_connection import Answer
-from materl.rollout._mcp_server import ServerPolicy, _MCPBackend
-from materl.rollout.mcp_spec import EPISODE_DIR, MCPServer, looks_like_url
+from materl.rollout.mcp_spec import MCPServer, looks_like_url
 from materl.rollout.mcp_spec import START_TIMEOUT_S as CONNECT_TIMEOUT_S  # noqa: F401 (re-export)
 from materl.rollout.mcp_spec import check_settings as _check_settings
 from materl.rollout.parsers import error_result
-from materl.rollout.python_tools import PythonTools, _PythonBackend
+from materl.rollout.python_tools import PythonTools
+from materl.rollout.tool_backend import ToolBackend, ToolSettings, ToolSource
 from materl.rollout.tool_output import DEFAULT_MAX_OUTPUT_BYTES, cap_bytes
 from materl.rollout.types import ToolCall, ToolResult
 
@@ -89,17 +89,12 @@ log = logging.getLogger(__name__)
 
 EPISODE_ID = "episode_id"
 DEFAULT_TIMEOUT_S = 30.0
-# Instances kept started and unused: a shared server's ready replacement (a crash costs no
-# start-up wait), or the next episodes' own instances.
-DEFAULT_POOL = {"shared": 1, "episode": 4}
-
-
-Source = MCPServer | PythonTools
+Source = ToolSource  # MCPServer, PythonTools, or any source with a backend (tool_backend)
 
 
 def as_server(spec: Source | str | Sequence[str]) -> Source:
     """A server spec from a command line (str or list), a URL, an ``MCPServer`` or ``PythonTools``."""
-    if isinstance(spec, (MCPServer, PythonTools)):
+    if isinstance(spec, ToolSource):
         return spec
     if isinstance(spec, str):
         if looks_like_url(spec):  # ws://... is a URL with an unsupported scheme, never a command line
@@ -156,7 +151,7 @@ def list_tools(server: Source | str | Sequence[str], *, timeout_s: float = 30.0)
 
 @dataclass(frozen=True)
 class _Route:
-    backend: Any  # _MCPBackend | _PythonBackend
+    backend: ToolBackend
     tool: Any  # the server's tool (name, description, input_schema)
     public: str
 
@@ -180,7 +175,7 @@ class Toolbox:
                               restart_after_timeouts=restart_after_timeouts, workdir=workdir)
         if workdir is not None and not os.path.isdir(workdir):
             raise ConfigError(f"mcp_tools: workdir={workdir!r} is not an existing directory")
-        self._backends: list[Any] = []
+        self._backends: list[ToolBackend] = []
         self._specs: dict[str, Source] = {}
         self._build_backends()
         self._routes: dict[str, _Route] = {}
@@ -197,29 +192,14 @@ class Toolbox:
 
     def _build_backends(self) -> None:
         """One backend per server (fresh: no process started yet)."""
-        st, timeout_s = self._settings, self.timeout_s
+        settings = ToolSettings(timeout_s=self.timeout_s, **self._settings)
         self._backends, self._specs = [], {}
         labels: Counter = Counter()
         for spec in self._servers:
             labels[spec.label] += 1
             name = spec.label if labels[spec.label] == 1 else f"{spec.label}-{labels[spec.label]}"
             self._specs[name] = spec
-            if isinstance(spec, PythonTools):
-                self._backends.append(_PythonBackend(spec, name))
-                continue
-            isolation = spec.isolation or st["isolation"]
-            if isolation != "episode" and spec.uses_episode_dir:
-                raise ConfigError(f"tool server {name!r} ({spec.describe()}) uses {EPISODE_DIR}, which exists only "
-                                  f"for isolation='episode' (one instance per episode); it has isolation={isolation!r}")
-            policy = ServerPolicy(
-                timeout_s=spec.timeout_s or timeout_s, max_concurrency=spec.max_concurrency or st["max_concurrency"],
-                restart=st["restart"], retry_on_crash=_pick(spec.retry_on_crash, st["retry_on_crash"]),
-                restart_after_timeouts=_pick(spec.restart_after_timeouts, st["restart_after_timeouts"]),
-                isolation=isolation,
-                pool_size=_pick(spec.pool_size, _pick(st["pool_size"], DEFAULT_POOL[isolation]))
-                if st["restart"] or isolation == "episode" else 0,
-                start_timeout_s=spec.start_timeout_s, reconnect_s=spec.reconnect_s, workdir=st["workdir"])
-            self._backends.append(_MCPBackend(spec, name, policy))
+            self._backends.append(spec.backend(name, settings))
 
     # -- lifecycle --
     @property
@@ -356,15 +336,9 @@ class Toolbox:
         return await route.backend.call(route.tool.name, args, episode_id=None if episode_id is None
                                         else str(episode_id), timeout_s=limit)
 
-    def _timeout(self, backend: Any, call_timeout_s: float | None) -> float:
+    def _timeout(self, backend: ToolBackend, call_timeout_s: float | None) -> float:
         """The server's own limit, else the toolbox's, else the caller's, else 30 s."""
-        policy = getattr(backend, "policy", None)
-        own = policy.timeout_s if policy is not None else (backend.spec.timeout_s or self.timeout_s)
-        return own or call_timeout_s or DEFAULT_TIMEOUT_S
-
-
-def _pick(value: Any, default: Any) -> Any:
-    return default if value is None else value
+        return backend.timeout_s or self.timeout_s or call_timeout_s or DEFAULT_TIMEOUT_S
 
 
 # -- helpers --

@@ -13,10 +13,14 @@ import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from materl.errors import ConfigError
+
+if TYPE_CHECKING:
+    from materl.rollout._mcp_server import _MCPBackend
+    from materl.rollout.tool_backend import ToolSettings
 
 __all__ = ["EPISODE_DIR", "ISOLATIONS", "MCPServer", "RETRY_ON_CRASH", "START_TIMEOUT_S", "URL_SCHEMES", "looks_like_url"]
 
@@ -30,6 +34,9 @@ ISOLATIONS = ("shared", "episode")
 URL_SCHEMES = ("http", "https")  # streamable HTTP; the mcp SDK (2.x) has no WebSocket client
 # Replaced, in an isolated (isolation="episode") stdio server's command, env values and cwd, by
 # that instance's own working directory.
+# Instances kept started and unused: a shared server's ready replacement (a crash costs no
+# start-up wait), or the next episodes' own instances.
+DEFAULT_POOL = {"shared": 1, "episode": 4}
 EPISODE_DIR = "{episode_dir}"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -142,6 +149,28 @@ class MCPServer:
 
     def describe(self) -> str:
         return self.url if self.url is not None else shlex.join(self.argv)
+
+    def backend(self, name: str, settings: ToolSettings) -> _MCPBackend:
+        """The server's supervised instances (``tool_backend.ToolSource``), with this spec's fields
+        over the Toolbox's ``settings``."""
+        from materl.rollout._mcp_server import ServerPolicy, _MCPBackend
+
+        isolation = self.isolation or settings.isolation
+        if isolation != "episode" and self.uses_episode_dir:
+            raise ConfigError(f"tool server {name!r} ({self.describe()}) uses {EPISODE_DIR}, which exists only "
+                              f"for isolation='episode' (one instance per episode); it has isolation={isolation!r}")
+        pool = _pick(self.pool_size, _pick(settings.pool_size, DEFAULT_POOL[isolation]))
+        policy = ServerPolicy(
+            timeout_s=self.timeout_s or settings.timeout_s, max_concurrency=self.max_concurrency or settings.max_concurrency,
+            restart=settings.restart, retry_on_crash=_pick(self.retry_on_crash, settings.retry_on_crash),
+            restart_after_timeouts=_pick(self.restart_after_timeouts, settings.restart_after_timeouts),
+            isolation=isolation, pool_size=pool if settings.restart or isolation == "episode" else 0,
+            start_timeout_s=self.start_timeout_s, reconnect_s=self.reconnect_s, workdir=settings.workdir)
+        return _MCPBackend(self, name, policy)
+
+
+def _pick(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
 
 # Variables a stdio server takes from this process beyond the MCP SDK's default environment:

@@ -46,6 +46,7 @@ import anyio
 
 from materl.errors import ConfigError
 from materl.rollout._mcp_connection import Answer
+from materl.rollout.tool_backend import ToolSettings
 
 __all__ = ["PythonTools"]
 
@@ -77,6 +78,10 @@ class PythonTools:
 
     def describe(self) -> str:
         return f"PythonTools({getattr(self.factory, '__qualname__', self.factory)!r})"
+
+    def backend(self, name: str, settings: ToolSettings) -> _PythonBackend:
+        """One object per episode (``tool_backend.ToolSource``); the Toolbox's settings do not apply."""
+        return _PythonBackend(self, name)
 
 
 @dataclass(frozen=True)
@@ -118,6 +123,7 @@ class _PythonBackend:
 
     def __init__(self, spec: PythonTools, name: str):
         self.spec, self.name = spec, name
+        self.timeout_s = spec.timeout_s
         self.stats: Counter = Counter()
         self.tools: list[_PyTool] = []
         self._objects: dict[str, Any] = {}
