@@ -9,6 +9,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one core a worker, for
 
 import pytest
 import torch
+from hypothesis import settings
+
+# CI (CI=true) draws the same examples every run: a property test fails there only for a change,
+# never for a draw; elsewhere every run explores new examples (and replays saved failures).
+settings.register_profile("ci", derandomize=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)

@@ -22,12 +22,18 @@ import os
 import shutil
 import tempfile
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
 from materl.errors import ToolError
-from materl.rollout.mcp_spec import START_TIMEOUT_S, MCPServer
+
+if TYPE_CHECKING:
+    from materl.rollout.mcp_spec import MCPServer
+
+START_TIMEOUT_S = 60.0  # MCPServer.start_timeout_s: one start (connect and list tools)
+# How long one call waits for an HTTP server that went away to answer again (MCPServer.reconnect_s).
+RECONNECT_S = 10.0
 
 log = logging.getLogger("materl.rollout.mcp")
 

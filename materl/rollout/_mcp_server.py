@@ -54,13 +54,15 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from materl.errors import ToolError
-from materl.rollout._mcp_connection import Answer, _Instance
-from materl.rollout.mcp_spec import RECONNECT_S, MCPServer
+from materl.rollout._mcp_connection import RECONNECT_S, Answer, _Instance
+
+if TYPE_CHECKING:
+    from materl.rollout.mcp_spec import MCPServer
 
 log = logging.getLogger("materl.rollout.mcp")
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from materl.errors import ConfigError
+from materl.rollout._mcp_connection import RECONNECT_S, START_TIMEOUT_S
 
 if TYPE_CHECKING:
     from materl.rollout._mcp_server import _MCPBackend
@@ -24,12 +25,9 @@ if TYPE_CHECKING:
 
 __all__ = ["EPISODE_DIR", "ISOLATIONS", "MCPServer", "RETRY_ON_CRASH", "START_TIMEOUT_S", "URL_SCHEMES", "looks_like_url"]
 
-START_TIMEOUT_S = 60.0
 # MCPServer(retry_on_crash=): retry a call its server died under? "idempotent": when its tool
 # declares itself read-only or idempotent (MCP annotations readOnlyHint / idempotentHint)
 RETRY_ON_CRASH = (True, False, "idempotent")
-# How long one call waits for an HTTP server that went away to answer again (MCPServer.reconnect_s).
-RECONNECT_S = 10.0
 ISOLATIONS = ("shared", "episode")
 URL_SCHEMES = ("http", "https")  # streamable HTTP; the mcp SDK (2.x) has no WebSocket client
 # Replaced, in an isolated (isolation="episode") stdio server's command, env values and cwd, by

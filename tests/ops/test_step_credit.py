@@ -104,8 +104,13 @@ def identical_groups(groups, *, outcome: bool, equal_steps: bool):
             tok += [0.0] * (trained - 1) + [r] + [0.0] * tool
         rows += [(mask, tok, turns[0][2])] * size
         ids += [f"g{g}"] * size
-        steps = [turns[0][2]] * len(turns) if equal_steps else [r for _, _, r in turns]
-        flat.append(len(set([0.0] * (len(turns) - 1) + [turns[0][2]] if outcome else steps)) == 1)
+        runs = []  # a step is a run of trained tokens: turns with no tool tokens between them are one
+        for k, (m, t) in enumerate(zip(mask, tok)):
+            if m and (k == 0 or not mask[k - 1]):
+                runs.append(0.0)
+            runs[-1] += t if m else 0.0
+        steps = [0.0] * (len(runs) - 1) + [turns[0][2]] if outcome else runs
+        flat.append(len(set(steps)) == 1)
     T = max(len(m) for m, _, _ in rows) + 1  # one padding column
     mask = torch.zeros(len(rows), T, dtype=F64)
     tok = torch.zeros(len(rows), T, dtype=F64)
