@@ -362,7 +362,7 @@ def _error_body(code: str, message: str) -> dict:
 async def _send_answer(send, session: AgentSession, request: ChatRequest, answer: _Answer, responses: bool) -> None:
     reply, created = answer.turn.reply, int(time.time())
     if responses:
-        return await http.send_json(send, 200, _response_object(session.model, reply, answer.usage, created))
+        return await http.send_json(send, 200, _response_object(session.model, reply, answer.usage, created, request))
     out_id = f"chatcmpl-{secrets.token_hex(8)}"
     if request.stream:
         usage = answer.usage if request.stream_options and request.stream_options.include_usage else None
@@ -393,9 +393,9 @@ def _chunks(out_id: str, model: str, reply: dict, finish: str, usage: dict | Non
     return events + ["data: [DONE]\n\n"]
 
 
-def _response_object(model: str, reply: dict, usage: dict, created: int) -> dict:
+def _response_object(model: str, reply: dict, usage: dict, created: int, request: ChatRequest) -> dict:
     """The answer as a Responses API ``response``: a message item with its text (when it has
-    any), then a ``function_call`` item per tool call."""
+    any), then a ``function_call`` item per tool call; the request's tool settings echoed."""
     output: list[dict] = []
     if reply.get("content") or not reply.get("tool_calls"):
         output.append({"type": "message", "id": f"msg_{secrets.token_hex(8)}", "role": "assistant",
@@ -406,7 +406,10 @@ def _response_object(model: str, reply: dict, usage: dict, created: int) -> dict
                        "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                        "status": "completed"})
     return {"id": f"resp_{secrets.token_hex(8)}", "object": "response", "created_at": created, "model": model,
-            "status": "completed", "output": output, "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "status": "completed", "output": output,
+            "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "tool_choice": request.tool_choice if request.tool_choice is not None else "auto",
+            "tools": [{"type": "function", **t.function.model_dump(exclude_none=True)} for t in request.tools or []],
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
                       "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
                       "output_tokens_details": {"reasoning_tokens": 0}}}

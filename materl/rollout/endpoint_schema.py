@@ -199,7 +199,8 @@ def responses_to_chat(req: ResponsesRequest) -> ChatRequest:
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
              for t in req.tools or []]
     return ChatRequest.model_validate({"messages": messages, "tools": tools or None,
-                                       "max_tokens": req.cap(), "parallel_tool_calls": req.parallel_tool_calls},
+                                       "max_tokens": req.cap(), "parallel_tool_calls": req.parallel_tool_calls,
+                                       "tool_choice": req.tool_choice},
                                       strict=False)
 
 

@@ -224,13 +224,17 @@ async def test_the_responses_api_continues_the_same_exact_token_record(caller):
         follow_up = QUESTION + [{"type": "function_call", "call_id": call.call_id, "name": call.name,
                                  "arguments": call.arguments},
                                 {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
-        second = await client.responses.create(model="policy", input=follow_up, tools=tools)
+        second = await client.responses.create(model="policy", input=follow_up, tools=tools,
+                                               parallel_tool_calls=False, tool_choice="required")
     finally:
         await client.close()
         await endpoint.aclose()
     assert (call.name, json.loads(call.arguments)) == ("calculate", {"expression": "2+3"})
     assert first.usage.output_tokens == len(engine.requests[0][1].token_ids)
     assert second.output and second.status == "completed"
+    assert (first.parallel_tool_calls, first.tool_choice) == (True, "auto")  # the request's settings, echoed
+    assert (second.parallel_tool_calls, second.tool_choice) == (False, "required")
+    assert [(t.name, t.parameters) for t in second.tools] == [("calculate", CALC["function"]["parameters"])]
     rollout = session.trace.rollout()
     (p1, g1), (p2, g2) = engine.requests
     assert [s.kind for s in rollout.steps] == ["generate", "tool", "generate"]
