@@ -35,6 +35,7 @@ answer's final block of such lines. ``parse=`` replaces the parser: ``parse(text
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import random
 import re
@@ -178,6 +179,13 @@ class Verdict:
     waits_s: tuple[float, ...] = ()
 
 
+def question_seed(messages: list[dict], attempt: int) -> int:
+    """A sampling seed from the judge's question and the attempt's number (1, 2, ...): stable
+    across runs and orders (a 63-bit BLAKE2b of the messages' JSON)."""
+    blob = json.dumps(messages, sort_keys=True, ensure_ascii=False).encode() + b"#%d" % attempt
+    return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
 class Judge:
     """See the module docstring."""
 
@@ -247,7 +255,7 @@ class Judge:
         attempt = 0
         while True:
             attempt += 1
-            text, failure = await self._attempt(messages)
+            text, failure = await self._attempt(messages, attempt)
             if failure is None:
                 try:
                     return Verdict(parse(text), text, attempt, tuple(waits))
@@ -266,13 +274,13 @@ class Judge:
             await anyio.sleep(wait)
         raise RewardError(f"{self!r} failed after {attempt} attempt(s): " + "; ".join(errors))
 
-    async def _attempt(self, messages: list[dict]) -> tuple[str, AttemptFailed | None]:
+    async def _attempt(self, messages: list[dict], attempt: int) -> tuple[str, AttemptFailed | None]:
         """One request, holding a slot of the semaphore (released during the backoff)."""
         async with self._limit():
             self.calls += 1
             try:
                 with anyio.fail_after(self.timeout_s):
-                    return await self._complete(messages), None
+                    return await self._complete(messages, attempt), None
             except TimeoutError:
                 return "", AttemptFailed(f"no answer within timeout_s={self.timeout_s:g}", retry=True)
             except AttemptFailed as exc:
@@ -302,11 +310,13 @@ class Judge:
             body={"model": self.model_name, "messages": messages, "max_tokens": self.max_new_tokens,
                   "temperature": self.temperature}, max_bytes=self.max_answer_bytes)
 
-    async def _complete(self, messages: list[dict]) -> str:
+    async def _complete(self, messages: list[dict], attempt: int) -> str:
+        """The judge's answer; an in-process judge samples with a seed of the question and the
+        attempt, so the same episode gets the same answer whatever order the episodes finish in."""
         if isinstance(self.model, str):
             return await self._post(messages)
         tokenizer = self.model.tokenizer
         params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature or 1.0,
-                                greedy=self.temperature == 0.0, seed=self.calls)
+                                greedy=self.temperature == 0.0, seed=question_seed(messages, attempt))
         step = await sample_turn(self.model.engine, tokenizer, EpisodeState.start(tokenizer, messages).ids, params)
         return step.text

@@ -135,3 +135,23 @@ def test_bad_judge_settings_are_refused():
         @ml.recipe
         def no_rubric(policy, prompts):
             ml.judge("", model="http://127.0.0.1:1/v1", rollout=ml.generate(policy, prompts))
+
+
+async def test_an_in_process_judge_at_temperature_answers_each_episode_the_same_in_any_order():
+    """A sampling judge's seed is its question's (and the attempt's), not a call counter: the
+    same episodes judged in the opposite order, or again by a new judge, get the same answers;
+    different questions get different samples."""
+    from materl.rollout.judge import Judge
+    from materl.rollout.types import Rollout, Step
+
+    model = ml.Agent("tiny-random")
+    rollouts = [Rollout([1, 2], [Step("generate", [3, 4], [0.0, 0.0], text=t)], prompt_text=p)
+                for p, t in (("hi", "hello there"), ("yo", "what's up"), ("hey", "hi!"))]
+
+    async def answers(order):
+        judge = Judge(model, "Is it friendly?", parse=lambda text: 0.5, temperature=1.0, max_new_tokens=8)
+        return {i: (await judge.verdict("task", rollouts[i])).answer for i in order}
+
+    forward, backward, again = await answers([0, 1, 2]), await answers([2, 1, 0]), await answers([1, 0, 2])
+    assert forward == backward == again
+    assert len(set(forward.values())) == 3  # a seed per question, not one for all
