@@ -19,7 +19,7 @@ _BUILDER: contextvars.ContextVar[Builder | None] = contextvars.ContextVar("mater
 
 # The ops whose value is an episode's rollout (the compiler's op table gives them Role.ROLLOUT;
 # tests/compiler/test_spec.py checks the two agree).
-ROLLOUT_OPS = ("generate", "generate_step", "structure_rollout", "env_rollout", "agent_episodes")
+ROLLOUT_OPS = ("generate", "generate_step", "structure_rollout", "env_rollout", "agent_episodes", "self_play")
 
 
 class Value:

@@ -14,13 +14,14 @@ from materl.compiler.kinds import (
     principles,
     rewards,
     rollout,
+    self_play,
     turn_advantages,
 )
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
          *turn_advantages.SPECS, *gigpo_advantages.SPECS, *agents.SPECS, *judge.SPECS,
-         *distill.SPECS, *principles.SPECS)
+         *distill.SPECS, *principles.SPECS, *self_play.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)
