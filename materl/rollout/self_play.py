@@ -187,10 +187,12 @@ class Match:
         changed.set()
 
 
-async def play_seat(match: Match, seat: int, engine, tokenizer, sampling, *, system: str | None = None) -> Rollout:
+async def play_seat(match: Match, seat: int, engine, tokenizer, sampling, *,
+                    system: str | None = None) -> Rollout | None:
     """Play ``seat`` of ``match`` to the end with ``engine``; ``sampling(turn)`` gives each
     turn's SamplingParams. The Rollout holds the seat's exact tokens; its metadata the seat, its
-    reward, the outcome and the number of its invalid moves."""
+    reward, the outcome and the number of its invalid moves. None when the game ended before the
+    seat's first move (the other seat lost on invalid moves at once): it has no tokens."""
     state, turn = None, 0
     try:
         while (observation := await match.wait_turn(seat)) is not None:
@@ -207,7 +209,7 @@ async def play_seat(match: Match, seat: int, engine, tokenizer, sampling, *, sys
         match.abort(f"seat {seat} failed: {type(exc).__name__}: {exc}")
         raise
     if state is None:
-        raise EpisodeError(f"seat {seat} never moved: the game ended before its first turn ({match.info})")
+        return None
     rollout = dc_replace(state, done=True).to_rollout()
     reward = match.rewards[seat]
     rollout.metadata.update(seat=seat, reward=reward, moves=turn, invalid_moves=match.invalid[seat],
@@ -238,20 +240,13 @@ async def play_games(agent, opponent, game, n: int, *, seed: int = 0, max_new_to
 
     async def one(i: int) -> None:
         match, seat = Match(make_game(game), seed=seed + i, max_moves=max_moves), i % 2
-        mine: dict = {}
 
         async def theirs() -> None:
-            try:
-                await play_seat(match, 1 - seat, opponent.engine, opponent.tokenizer, params(i, 1), system=system)
-            except EpisodeError:  # the opponent never moved: the game ended on the agent's first moves
-                pass
+            await play_seat(match, 1 - seat, opponent.engine, opponent.tokenizer, params(i, 1), system=system)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(theirs)
-            try:
-                mine["r"] = await play_seat(match, seat, agent.engine, agent.tokenizer, params(i, 0), system=system)
-            except EpisodeError:
-                mine["r"] = None
+            await play_seat(match, seat, agent.engine, agent.tokenizer, params(i, 0), system=system)
         reward = match.rewards[seat]
         out[i] = {"seat": seat, "reward": reward, "outcome": "win" if reward > 0 else "loss" if reward < 0 else "draw",
                   "invalid_moves": list(match.invalid), "reason": match.info.get("reason", "")}

@@ -27,7 +27,7 @@ import anyio
 from materl.compiler.context import Run, sampling
 from materl.compiler.episode import Episode
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
-from materl.errors import CompileError
+from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Node
 from materl.rollout.self_play import Match, make_game, play_seat
 from materl.rollout.types import Rollout
@@ -58,7 +58,7 @@ async def self_play_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollou
     finally:
         if _OPEN.get(key) is match:  # the other seat never came
             del _OPEN[key]
-    return _record(ep, rollout)
+    return _record(ep, rollout, match, seat)
 
 
 async def _against(run: Run, node: Node, ep: Episode, *, seat: int, seed: int, max_moves: int) -> Rollout:
@@ -75,10 +75,13 @@ async def _against(run: Run, node: Node, ep: Episode, *, seat: int, seed: int, m
         tg.start_soon(opponent_seat)
         out["rollout"] = await play_seat(match, seat, policy.engine, policy.tokenizer,
                                          lambda t: sampling(run, node, ep.seed, t), system=system)
-    return _record(ep, out["rollout"])
+    return _record(ep, out["rollout"], match, seat)
 
 
-def _record(ep: Episode, rollout: Rollout) -> Rollout:
+def _record(ep: Episode, rollout: Rollout | None, match: Match, seat: int) -> Rollout:
+    if rollout is None:  # nothing sampled, nothing to train: the episode fails, the step goes on
+        raise EpisodeError(f"seat {seat} never moved: the game ended before its first turn "
+                           f"({match.info.get('reason', '')}); nothing to train")
     meta = rollout.metadata
     for outcome in ("win", "draw", "loss"):
         ep.metrics[f"self_play/{outcome}"] = float(meta["outcome"] == outcome)
