@@ -47,9 +47,11 @@ def wilson(k: float, n: int, z: float = 1.96) -> tuple[float, float]:
 def run(*, game: str = "TicTacToe-v0", model: str = "smollm2-135m-instruct", steps: int = 20, batch_size: int = 2,
         group_size: int = 4, max_new_tokens: int = 12, lr: float = 2e-5, seed: int = 0, frozen_opponent: bool = False,
         eval_games: int = 32, max_moves: int = 18, run_dir: str = "runs/self_play", progress: bool = False) -> dict:
-    """Train ``steps`` steps and return the evaluation against the starting weights."""
+    """Train ``steps`` steps and return the evaluation against the starting weights. ``game``: a
+    textarena id, or a factory of a ``materl.rollout.self_play.TwoPlayerGame``."""
     policy, start = ml.Agent(model, trainable=True), ml.Agent(model)
-    factory = partial(ml.TextArenaGame, game)
+    factory = partial(ml.TextArenaGame, game) if isinstance(game, str) else game
+    game = game if isinstance(game, str) else getattr(game, "__name__", repr(game))
     recipe = self_play_recipe(factory, opponent=frozen_opponent, max_moves=max_moves)
     agents = {"policy": policy, **({"opponent": start} if frozen_opponent else {})}
     step = ml.compile(recipe, **agents, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
