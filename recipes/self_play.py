@@ -46,3 +46,21 @@ def self_play_recipe(game="TicTacToe-v0", *, opponent: bool = False, max_moves: 
 
 
 self_play = self_play_recipe()
+
+
+def refresh_opponent(policy, opponent) -> None:
+    """Make ``opponent`` an earlier copy of ``policy``: its weights become the policy's current
+    ones (copied, so later updates of the policy do not reach it) and its engine samples from
+    them. Called every K steps (``ml.train(on_step=...)``, ``examples/self_play.py
+    --refresh-opponent-every K``) it plays against the policy of up to K steps ago, as
+    self-play against a lagged copy does (SPIRAL's ablation; AlphaStar's past-self league in its
+    simplest form). The two agents must be the same model (same parameter names and shapes)."""
+    from materl.errors import ConfigError
+
+    state = {k: v.detach().clone() for k, v in policy.model.state_dict().items()}
+    try:
+        opponent.model.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"refresh_opponent: the opponent {opponent.name!r} is not the same model as the policy "
+                          f"{policy.name!r} (e.g. one has LoRA adapters): {str(e).splitlines()[0]}") from e
+    opponent.engine.sync_weights()

@@ -203,3 +203,23 @@ def test_a_failed_seat_aborts_its_partner_instead_of_hanging():
 
     errors = dict(anyio.run(main))
     assert "engine down" in str(errors[1]) and "aborted: seat 1 failed: RuntimeError: engine down" in str(errors[0])
+
+
+def test_refresh_opponent_makes_an_earlier_copy_that_later_updates_do_not_reach():
+    from materl.recipes.self_play import refresh_opponent
+
+    opponent = ml.Agent("tiny-random")
+    step = _step(opponent=opponent, group_size=2, lr=1e-2)
+    policy = step.agents["policy"]
+    try:
+        step.run(prompts=["opening"])
+        refresh_opponent(policy, opponent)
+        copy = {k: v.clone() for k, v in opponent.model.state_dict().items()}
+        assert all(torch.equal(copy[k], v) for k, v in policy.model.state_dict().items())
+        step.run(prompts=["opening"])
+    finally:
+        step.close()
+    assert any(not torch.equal(copy[k], v) for k, v in policy.model.state_dict().items())
+    assert all(torch.equal(copy[k], v) for k, v in opponent.model.state_dict().items())
+    with pytest.raises(ValueError, match="refresh_opponent: the opponent 'tiny-random' is not the same model"):
+        refresh_opponent(ml.Agent("tiny-random", trainable=True, lora=dict(r=4)), opponent)
