@@ -23,11 +23,14 @@ import argparse
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import self_play as example  # noqa: E402
+
+import materl as ml  # noqa: E402
 
 
 class LongerMove:
@@ -64,12 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--frozen-opponent", action="store_true")
+    p.add_argument("--error-allowance", type=int, default=None,
+                   help="invalid moves in a row a seat may retry (textarena's default: 1)")
     p.add_argument("--run-dir", default="runs/bench_self_play")
     args = p.parse_args(argv)
     total = {"games": 0, "points": 0.0}
     for seed in args.seeds:
         t0 = time.perf_counter()
         game = LongerMove if args.game == "longer-move" else args.game
+        if args.error_allowance is not None and isinstance(game, str):
+            game = partial(ml.TextArenaGame, game, error_allowance=args.error_allowance)
         r = example.run(game=game, model=args.model, steps=args.steps, seed=seed, eval_games=args.eval_games,
                         batch_size=args.batch_size, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
                         lr=args.lr, frozen_opponent=args.frozen_opponent, run_dir=f"{args.run_dir}/seed{seed}")
