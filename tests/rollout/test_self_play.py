@@ -223,3 +223,33 @@ def test_refresh_opponent_makes_an_earlier_copy_that_later_updates_do_not_reach(
     assert all(torch.equal(copy[k], v) for k, v in opponent.model.state_dict().items())
     with pytest.raises(ValueError, match="refresh_opponent: the opponent 'tiny-random' is not the same model"):
         refresh_opponent(ml.Agent("tiny-random", trainable=True, lora=dict(r=4)), opponent)
+
+
+def test_a_seat_that_arrives_after_its_game_ended_finds_it_over():
+    from materl.compiler.context import Run
+    from materl.compiler.episode import Episode
+    from materl.compiler.kinds.self_play import self_play_episode
+
+    step = ml.compile(self_play_recipe("TicTacToe-v0"), policy=ml.Agent("tiny-random", trainable=True),
+                      group_size=2, max_new_tokens=3)
+    run = Run(step.context(), step.agents)
+    node = next(n for n in step.recipe.nodes if n.op == "self_play")
+    first, second = (Episode(j, 0, 0, "opening", {}, seed=j) for j in range(2))
+
+    async def one_after_the_other():  # seat 0 plays alone and loses on invalid moves; then seat 1 comes
+        lost = await self_play_episode(run, node, first, None)
+        with pytest.raises(ml.EpisodeError, match="seat 1 never moved"):
+            await self_play_episode(run, node, second, None)
+        return lost
+
+    try:
+        assert anyio.run(one_after_the_other).metadata["outcome"] == "loss"
+    finally:
+        step.close()
+    with pytest.raises(ml.StepFailedError, match="needs max_concurrent_episodes >= 2.*got 1"):
+        step = ml.compile(self_play_recipe("TicTacToe-v0"), policy=ml.Agent("tiny-random", trainable=True),
+                          group_size=2, max_new_tokens=3, max_concurrent_episodes=1)
+        try:
+            step.run(prompts=["opening"])
+        finally:
+            step.close()

@@ -9,7 +9,9 @@ Both seats trained: the ``group_size`` episodes of a prompt play ``group_size / 
 their own, with their own exact tokens and reward, and the group statistics (the GRPO baseline
 and scale) run over all the group's episodes, both seats. The two episodes of a game meet in a
 table of open matches keyed by (rollout, group, game), so they must run in the same process
-(the in-process rollout, or one Ray worker per group, which is how workers split a batch).
+(the in-process rollout, or one Ray worker per group, which is how workers split a batch) and
+at once (``max_concurrent_episodes >= 2``; episodes start in index order, so the two seats of
+the earliest unfinished game always both hold a slot).
 
 Against an opponent: every episode is one game; member ``j`` plays seat ``j % 2`` with the
 policy, and the opponent agent plays the other seat in the same episode, its turns sampled by
@@ -47,6 +49,9 @@ async def self_play_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollou
     if size % 2:
         raise CompileError(f"self_play {node.name!r} with both seats trained needs an even group_size (two seats "
                            f"per game), got group_size={size}")
+    if run.options.max_concurrent_episodes < 2:
+        raise CompileError(f"self_play {node.name!r} with both seats trained needs max_concurrent_episodes >= 2 (the "
+                           f"two seats of a game play at once), got {run.options.max_concurrent_episodes}")
     game_no, seat = divmod(member, 2)
     key = (run.ctx.rollout_id, ep.group, game_no)
     match = _OPEN.pop(key, None)
@@ -55,9 +60,11 @@ async def self_play_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollou
     try:
         rollout = await play_seat(match, seat, policy.engine, policy.tokenizer,
                                   lambda t: sampling(run, node, ep.seed, t), system=system)
-    finally:
-        if _OPEN.get(key) is match:  # the other seat never came
+    except BaseException:
+        if _OPEN.get(key) is match:  # failed before the other seat came: it starts a game of its own
             del _OPEN[key]
+        raise
+    # a game over before the other seat came stays open for it: it finds the game over, not a new one
     return _record(ep, rollout, match, seat)
 
 
