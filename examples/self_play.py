@@ -67,7 +67,7 @@ def run(*, game: str = "TicTacToe-v0", model: str = "smollm2-135m-instruct", ste
     recipe = self_play_recipe(factory, opponent=frozen_opponent, max_moves=max_moves)
     agents = {"policy": policy, **({"opponent": opponent} if frozen_opponent else {})}
     step = ml.compile(recipe, **agents, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr,
-                      temperature=1.0, seed=seed)
+                      temperature=1.0, seed=seed, episode_timeout_s=3600.0)  # a game is up to max_moves turns
     rows = [{"prompt": f"{game} opening {k}", "game_seed": seed * 10_000 + k} for k in range(256)]
     try:
         result = ml.train(step, rows, steps=steps, batch_size=batch_size, seed=seed, run_dir=run_dir,
