@@ -56,7 +56,7 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
             key = "reward" if name == reward_nodes[0] else f"reward/{name}"
             m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
             m[f"{key}/std"] = float(totals.std(unbiased=False))
-    comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/", "judge/"))})
+    comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/", "judge/", "self_play/"))})
     for k in comps:
         vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
         m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))

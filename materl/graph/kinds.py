@@ -32,6 +32,7 @@ KINDS: dict[str, KindFacts] = {
     "structure_rollout": KindFacts(rollout=True),
     "env_rollout": KindFacts(rollout=True),
     "agent_episodes": KindFacts(rollout=True),
+    "self_play": KindFacts(rollout=True),
     "rewards": KindFacts(reward_sum=True),
     "logprobs": KindFacts(logprobs=True),
     "policy_loss": KindFacts(policy_gradient=True),

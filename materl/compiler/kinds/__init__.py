@@ -13,11 +13,12 @@ from materl.compiler.kinds import (
     principles,
     rewards,
     rollout,
+    self_play,
 )
 from materl.compiler.spec import OPS
 
 SPECS = (*rollout.SPECS, *custom.SPECS, *rewards.SPECS, *advantages.SPECS, *forward.SPECS, *losses.SPECS,
-         *agents.SPECS, *judge.SPECS, *distill.SPECS, *principles.SPECS)
+         *agents.SPECS, *judge.SPECS, *distill.SPECS, *principles.SPECS, *self_play.SPECS)
 
 for _spec in SPECS:
     OPS.register(_spec.kind, _spec)
