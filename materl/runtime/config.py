@@ -202,6 +202,7 @@ class DataSection(_Section):
     params: dict[str, Any] = Field(default_factory=dict)
     max_prompt_tokens: int | None = Field(default=None, ge=1)  # None: the model's context less max_new_tokens
     truncation: Literal["error", "left", "right"] = "error"  # an over-long prompt: an error, or cut (left keeps the end)
+    shuffle: bool = True  # each pass over the training rows in a seeded random order (compile.shuffle: the learner's)
     level: int | None = Field(default=None, ge=0)  # reasoning_gym: a fixed difficulty level of the task's knobs
     curriculum: CurriculumSection | None = None  # reasoning_gym (a dataset with knobs): a level moved by the pass rate
 
