@@ -56,7 +56,13 @@ def _run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="materl", description="materl: tool-use RL for LLMs as compiled dataflow recipes")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_train_parser, _eval_parser, _export_parser, _recipes_parser, _tools_parser, _compare_parser,
+                _sweep_parser, _bench_parser):
+        add(sub)
+    return p
 
+
+def _train_parser(sub) -> None:
     t = sub.add_parser("train", help="train from a YAML config")
     t.add_argument("config", help="path to a YAML config (see examples/configs/)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -70,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     _memory_flags(t)
     t.set_defaults(func=cmd_train)
 
+
+def _eval_parser(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a config's model, or a checkpoint of it")
     e.add_argument("config", nargs="?", default=None,
                    help="path to a YAML config; default with --checkpoint: the config saved in the checkpoint")
@@ -78,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     _placement_flags(e)
     e.set_defaults(func=cmd_eval)
 
+
+def _export_parser(sub) -> None:
     x = sub.add_parser("export", help="write a checkpoint's agent as a plain Hugging Face model folder")
     x.add_argument("checkpoint", help="checkpoint folder or run dir (its latest)")
     x.add_argument("out_dir")
@@ -86,18 +96,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep LoRA adapters separate (writes a peft adapter folder)")
     x.set_defaults(func=cmd_export)
 
+
+def _recipes_parser(sub) -> None:
     r = sub.add_parser("recipes", help="list built-in recipes, or print one's graph")
     r.add_argument("name", nargs="?", help="a built-in recipe or package.module:recipe")
     r.add_argument("--tool", dest="tools", action="append", default=[], metavar="SERVER",
                    help="tool server for recipes built from a Toolbox (default for grpo_tools: the calculator)")
     r.set_defaults(func=cmd_recipes)
 
+
+def _tools_parser(sub) -> None:
     tl = sub.add_parser("tools", help="list the tools of an MCP server command line or URL")
     tl.add_argument("server", nargs=argparse.REMAINDER, metavar="COMMAND...",
                     help="e.g. python -m materl.tools.calculator, or http://host:port/mcp")
     tl.add_argument("--timeout", type=float, default=30.0, help=argparse.SUPPRESS)
     tl.set_defaults(func=cmd_tools)
 
+
+def _compare_parser(sub) -> None:
     c = sub.add_parser("compare", help="final and best metrics of runs side by side, and one plot of them")
     c.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="folders runs wrote (each with metrics.jsonl)")
     c.add_argument("--metrics", default=None, metavar="NAMES",
@@ -110,16 +126,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated columns per run: final, best, first, mean (default: final,best)")
     c.set_defaults(func=cmd_compare)
 
+
+def _sweep_parser(sub) -> None:
     sw = sub.add_parser("sweep", help="a hyperparameter sweep of train runs (grid, random or Optuna TPE, pruned)")
     sw.add_argument("config", help="a train config with a 'sweep' section (see examples/configs/tiny_sweep.yaml)")
     sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. --set sweep.parallel=2 or --set train.steps=4")
     sw.set_defaults(func=cmd_sweep)
 
+
+def _bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="run benchmarks")
     b.add_argument("what", choices=["kernels"])
     b.set_defaults(func=cmd_bench)
-    return p
 
 
 # ----------------------------------------------------------------------------- commands
