@@ -9,8 +9,7 @@ rollout worker shares it); a Ray rollout worker builds its own from the pickled 
     services = Services.build(plan)            # live objects, nothing started
     started = await services.start()           # those not running; the caller closes these
     await rollout_stage(Run(ctx, agents, services), episodes)
-    for service in started:
-        await service.aclose()
+    await close(started)
 
 Implementations read their service from ``Run.service(node, param)``, never from the node.
 A ``Toolbox`` is its own spec, so every ``Services`` of a process shares the recipe's toolbox;
@@ -92,15 +91,17 @@ class Services:
 
 async def close(services: list[EpisodeService], *, raise_first: bool = True) -> None:
     """Close each of ``services`` (those a caller started), every one even when one raises; then
-    the first error is raised (``raise_first``) or logged."""
+    the first error is raised (``raise_first``; the others are logged) or all are logged."""
     error = None
     for service in services:
         try:
             await service.aclose()
         except Exception as exc:  # noqa: BLE001 - the others still close
-            log.warning("closing %r failed: %s: %s", service, type(exc).__name__, exc)
-            error = error or exc
-    if error is not None and raise_first:
+            if error is None and raise_first:
+                error = exc
+            else:
+                log.warning("closing %r failed: %s: %s", service, type(exc).__name__, exc)
+    if error is not None:
         raise error
 
 

@@ -102,8 +102,8 @@ class OpSpec:
     turn: bool = False  # its value is one model turn: call_tools runs its calls, a step reward lands on it
     may_call_tools: Callable[[Node], bool] = lambda node: False  # its episodes may call tools (tool metrics)
     teacher_input: int | None = None  # the input holding a teacher's log-probs (that agent never follows the policy)
-    # the params that may hold a service's spec (materl.rollout.services.ServiceSpec): the compiled step builds
-    # the live service from it, starts it and closes it, and the implementations read it from Run.services
+    # the params that may hold a service's spec (materl.rollout.services.ServiceSpec): the compiled step
+    # builds the live service from it, starts it and closes it; the implementations read it from Run.service
     services: tuple[str, ...] = ()
     doc: str = ""
 
