@@ -81,7 +81,7 @@ async def experiment(args) -> dict:
     compiled = Compiled(fault_recipe(toolbox, plan, args.seconds), {}, options, rollout_only=True)
     bound = max(sum(args.seconds if f == "none" else args.timeout if f == "hang" else 0.0 for f in ep) for ep in plan)
     async with toolbox:
-        await compiled.start_tools()
+        await compiled.start_services()
         deadline = time.monotonic() + 60
         while toolbox.stats[toolbox._backends[0].name].get("starts", 0) < 1 + args.pool_size \
                 and time.monotonic() < deadline:

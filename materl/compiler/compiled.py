@@ -8,7 +8,10 @@
 rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``, which
 steps the ``Optimizers`` it is handed, on the step's ``update.LearnerBackend``), the reference policies (``references``) and the engines'
 weight sync; rollout metrics are ``metrics.rollout_metrics``. The stages themselves see only a
-``Run`` (the context and this process's agents), never this object.
+``Run`` (the context, this process's agents and services), never this object. The recipe's nodes
+hold service specs; the step builds the live services once (``services.Services``: judges,
+agent endpoints, the recipe's toolboxes), starts them with its first rollout and closes them in
+``close()``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_st
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
 from materl.compiler.references import reference_pairs, update_references
-from materl.compiler.scheduler import plan_toolboxes, rollout_stage
+from materl.compiler.scheduler import rollout_stage
+from materl.compiler.services import Services
+from materl.compiler.services import close as close_services
 from materl.compiler.update import InProcessLearner, LearnerBackend
 from materl.errors import CompileError
 from materl.graph.node import Recipe
@@ -71,7 +76,8 @@ class Compiled:
         self.failures = FailurePolicy(options.max_failed_fraction, max_skipped_steps=options.max_skipped_steps)
         self.learner: LearnerBackend = InProcessLearner()  # where the updates run (learn_on)
         self._loop = LoopThread(f"materl-loop:{recipe.name}")
-        self._started_tools: list = []  # toolboxes this step started (and stops on close)
+        self.services = Services.build(self.plan)  # live objects of the nodes' service specs (not started)
+        self._started: list = []  # the services this step started (and closes on close)
         self.optimizer_set = Optimizers.for_agents(agents, options)
         self.optimizers = self.optimizer_set.by_agent  # name -> torch optimizer (checkpoints read these)
         self.references = reference_pairs(self.plan, agents, options)
@@ -129,26 +135,26 @@ class Compiled:
             pass
 
     def close(self) -> None:
-        """Stop the tool servers this step started and the background event loop. The recipe's
-        toolboxes stay usable: another compiled step (or this one, on its next run) starts them
-        again."""
+        """Close the services this step started (tool servers, agent endpoints, judges' connection
+        pools) and the background event loop. The recipe's toolboxes stay usable: another compiled
+        step (or this one, on its next run) starts them again."""
         if self._loop.running:
             self._loop.call(self.aclose)
         self._loop.close()
 
     async def aclose(self) -> None:
-        started, self._started_tools = self._started_tools, []
-        for toolbox in started:
-            await toolbox.aclose()
+        started, self._started = self._started, []
+        await close_services(started)
 
-    async def start_tools(self) -> list:
-        """Start the plan's toolboxes that are not running; returns all of them."""
-        boxes = plan_toolboxes(self.plan)
-        for toolbox in boxes:
-            if not toolbox.started:
-                await toolbox.start()
-                self._started_tools.append(toolbox)
-        return boxes
+    async def start_services(self) -> Services:
+        """Start the plan's services that are not running (``materl.compiler.services``)."""
+        self._started += await self.services.start()
+        return self.services
+
+    def service(self, node: str, param: str | None = None) -> Any:
+        """The live service this step built from node ``node``'s spec (``param``: which, when it
+        holds several): its Judge, AgentEndpoint, PrincipleJudge or Toolbox."""
+        return self.services.of(node, param)
 
     async def arun(self, prompts: Sequence[Any] | None = None, *,
                    on_episode: Callable[[Episode], None] | None = None, **columns: Any) -> dict[str, float]:
@@ -164,10 +170,10 @@ class Compiled:
                       greedy: bool = False, on_episode: Callable[[Episode], None] | None = None,
                       **columns: Any) -> list[Episode]:
         """Run the rollout stage only (evaluation uses this with ``greedy=True``)."""
-        toolboxes = await self.start_tools()
+        services = await self.start_services()
         ctx = self.context("eval" if greedy else "train")
         episodes = make_episodes(ctx, prompts, columns, group_size or self.options.group_size)
-        self.timings["stage/rollout"] = await rollout_stage(Run(ctx, self.agents, tuple(toolboxes)), episodes,
+        self.timings["stage/rollout"] = await rollout_stage(Run(ctx, self.agents, services), episodes,
                                                             on_episode=on_episode)
         return episodes
 

@@ -3,11 +3,12 @@
 ``StepContext`` is frozen and picklable: the plan (nodes, order, stages, the implementation of
 each node), the compile options, a description of each agent, the step number and the mode.
 ``Run`` pairs it with what one process holds: its agents (models, tokenizers, engines) and the
-toolboxes it started. The rollout stage runs from a ``Run`` alone, so a worker process that
-builds its own engine and tool servers can run episodes from a context it was sent.
+live services it built from the plan's specs and started (``materl.compiler.services``: tool
+servers, agent endpoints, judges). The rollout stage runs from a ``Run`` alone, so a worker
+process that builds its own engine and services can run episodes from a context it was sent.
 
     ctx = StepContext(plan, options, agents={"policy": AgentSpec.of(policy)}, step=3)
-    await rollout_stage(Run(ctx, {"policy": policy}), episodes)
+    await rollout_stage(Run(ctx, {"policy": policy}), episodes)       # a plan without services
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any, Literal
 
 from materl.agent import Agent
 from materl.compiler.options import CompileOptions
+from materl.compiler.services import Services
 from materl.engines.base import SamplingParams
+from materl.errors import UnknownNameError
 from materl.graph.node import Node
 
 Mode = Literal["train", "eval"]
@@ -69,10 +72,10 @@ class StepContext:
 
 @dataclass(frozen=True)
 class Run:
-    """A step context plus this process's agents and started toolboxes (never pickled)."""
+    """A step context plus this process's agents and started services (never pickled)."""
     ctx: StepContext
     agents: Mapping[str, Any]
-    toolboxes: tuple[Any, ...] = ()
+    services: Services = field(default_factory=Services)
 
     @property
     def options(self) -> CompileOptions:
@@ -85,6 +88,15 @@ class Run:
     def agent(self, node: Node) -> Any:
         """The agent a node names first (``@policy``)."""
         return self.agents[node.agents[0]]
+
+    def service(self, node: Node, param: str) -> Any:
+        """The live service built from ``node.params[param]`` (``OpSpec.services``)."""
+        service = self.services.get(node.name, param)
+        if service is None:
+            raise UnknownNameError(f"node {node.name!r} ({node.op}) has no live {param!r} service in this Run; the "
+                                   f"compiled step and rollout_from_context build them from the plan "
+                                   f"(Run(ctx, agents, Services.build(plan)), started)")
+        return service
 
 
 def sampling(run: Run, node: Node, seed: int, turn: int = 0) -> SamplingParams:

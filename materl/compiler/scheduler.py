@@ -25,6 +25,7 @@ import anyio
 from materl.compiler.context import Run
 from materl.compiler.episode import Episode, make_episodes, split, to_tensor
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
+from materl.compiler.services import Services, close
 from materl.compiler.spec import Role, spec_of
 from materl.engines.arrivals import settle
 from materl.errors import OpOutputError, StepTimeoutError
@@ -157,35 +158,28 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
             ep.error = Failure.of(name, e)
     finally:
         with anyio.CancelScope(shield=True):
-            for toolbox in run.toolboxes:  # per-episode tool state ends with the episode
-                await toolbox.end_episode(ep.uid)
-
-
-def plan_toolboxes(plan) -> list:
-    """The services a plan's nodes hold, started before episodes run and told when each ends:
-    Toolboxes (``tools=`` of generate_step and call_tools nodes) and agent endpoints (the
-    ``endpoint`` of agent_episodes nodes, ``materl.rollout.endpoint``)."""
-    found = []
-    for node in plan.nodes.values():
-        tb = node.params.get("tools")
-        if hasattr(tb, "start") and hasattr(tb, "execute") and tb not in found:
-            found.append(tb)
-        endpoint = node.params.get("endpoint")
-        if endpoint is not None and endpoint not in found:
-            found.append(endpoint)
-    return found
+            for service in run.services.all:  # per-episode tool and endpoint state ends with the episode
+                await service.end_episode(ep.uid)
 
 
 async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Sequence[int] | None = None,
-                               on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
-    """What a rollout worker runs: the plan's toolboxes started here (its own servers, e.g. in
-    another process from a pickled context), the episodes built (``groups``: the prompts'
-    indices in the step's batch), the rollout stage run."""
-    toolboxes = plan_toolboxes(ctx.plan)
-    for toolbox in toolboxes:
-        await toolbox.start()
-    episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size, groups=groups)
-    await rollout_stage(Run(ctx, agents, tuple(toolboxes)), episodes, on_episode=on_episode)
+                               on_episode: Callable[[Episode], None] | None = None,
+                               services: Services | None = None) -> list[Episode]:
+    """What a rollout worker runs: the episodes built (``groups``: the prompts' indices in the
+    step's batch) and the rollout stage run with this process's services (``services``: a
+    worker's, built from the plan's specs and started, kept across its jobs; None: built from
+    ``ctx.plan`` here, e.g. in another process from a pickled context, and the ones started here
+    closed when the stage ends)."""
+    own = services is None
+    services = Services.build(ctx.plan) if own else services
+    started = await services.start() if own else []
+    try:
+        episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size, groups=groups)
+        await rollout_stage(Run(ctx, agents, services), episodes, on_episode=on_episode)
+    finally:
+        if own:
+            with anyio.CancelScope(shield=True):
+                await close(started)
     return episodes
 
 

@@ -10,7 +10,9 @@ per episode, checked when it is split), its
 implementations in order of preference with the rule that admits each (data, in the spirit of
 autodidax's impl rules: ops never decide where they run), its locality (whether a batch call
 over several episodes equals one call per episode, so the scheduler may batch them), its
-compile-time checks, and the facts other code asks about a kind instead of comparing its name
+compile-time checks, the params that hold services (``services``: a Toolbox, an endpoint's or a
+judge's spec, which the compiled step builds, starts and closes: ``materl.compiler.services``),
+and the facts other code asks about a kind instead of comparing its name
 (``turn``, ``may_call_tools``, ``teacher_input``, ``resolve``; the graph layer's facts, from
 ``materl.graph.kinds``, are ``spec.facts``). Adding an op kind is one module in
 ``materl.compiler.kinds`` with its spec, one entry in ``kinds.SPECS``, and a test.
@@ -100,6 +102,9 @@ class OpSpec:
     turn: bool = False  # its value is one model turn: call_tools runs its calls, a step reward lands on it
     may_call_tools: Callable[[Node], bool] = lambda node: False  # its episodes may call tools (tool metrics)
     teacher_input: int | None = None  # the input holding a teacher's log-probs (that agent never follows the policy)
+    # the params that may hold a service's spec (materl.rollout.services.ServiceSpec): the compiled step
+    # builds the live service from it, starts it and closes it; the implementations read it from Run.service
+    services: tuple[str, ...] = ()
     doc: str = ""
 
     @property

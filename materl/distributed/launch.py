@@ -6,7 +6,9 @@
 
 In process, with ``max_staleness=0``, the worker samples with the learner's own agents (lock-step,
 no copy). With ``max_staleness > 0`` it samples with a copy of each trainable rollout agent,
-which follows the published versions, so the learner can update its weights meanwhile.
+which follows the published versions, so the learner can update its weights meanwhile. It uses
+the compiled step's services (``compiled.services``: one endpoint, one judge per node); a Ray
+worker builds its own from the pickled plan.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def in_process_worker(compiled: Compiled, store: WeightStore) -> LocalWorker:
         for name in mirrored_agents(agents, ctx):
             agents[name] = rollout_copy(agents[name], deterministic=o.deterministic)
     return LocalWorker(ctx, agents, store=store, partial_rollouts=o.partial_rollouts, name="in-process",
-                       move_to_newest=not o.deterministic)
+                       move_to_newest=not o.deterministic, services=compiled.services)
 
 
 def rollout_side(compiled: Compiled, *, workers: int = 0, ray_address: str | None = None,

@@ -5,9 +5,10 @@
 
 Each actor gets the frozen step context once (its plan, options and agent specs, pickled), builds
 its own rollout agents from the specs (engines included; trainable ones as frozen copies that
-follow the published versions) and starts its own tool servers (the plan's toolboxes, which
-travel as their description). Its tool servers are stopped when it is closed, and die with it
-if its process is killed (each server is its child process: a stdio pipe that closes).
+follow the published versions) and its own services from the plan's specs (tool servers, agent
+endpoints, judges: ``materl.compiler.services``; a toolbox travels as its description). They
+are closed when it is closed, and its tool servers die with it if its process is killed (each
+server is its child process: a stdio pipe that closes).
 
 Weights: with ``transport="object_store"`` the learner ``ray.put``s each version once and a job
 carries the reference to the version it samples from (an actor fetches it only when it does

@@ -2,7 +2,9 @@
 
 A worker holds the frozen plan (a ``StepContext`` it was given once), its own rollout agents
 (engines, tokenizers, and for trainable agents its own copy of the weights at some version) and
-its own tool servers (the plan's toolboxes, started in the worker). A ``Job`` names the step,
+its own services (``materl.compiler.services``: tool servers, agent endpoints and judges built
+from the plan's specs and started in the worker; an in-process worker shares the compiled
+step's). A ``Job`` names the step,
 the prompts (with their group indices in the step's batch) and the policy version to sample
 from; the worker loads that version from the weight store if it holds another, runs the rollout
 stage (``rollout_from_context``) and returns the finished episodes, every token tagged with the
@@ -31,7 +33,8 @@ import anyio
 from materl import compute
 from materl.compiler.context import StepContext
 from materl.compiler.episode import Episode
-from materl.compiler.scheduler import plan_toolboxes, rollout_from_context
+from materl.compiler.scheduler import rollout_from_context
+from materl.compiler.services import Services, close
 from materl.distributed.versions import WeightStore, load_version
 
 
@@ -63,8 +66,11 @@ class LocalWorker:
     """Runs jobs in this process (a Ray actor wraps one of these in its own process)."""
 
     def __init__(self, ctx: StepContext, agents: Mapping[str, Any], *, store: WeightStore | None = None,
-                 partial_rollouts: bool = False, name: str = "local", move_to_newest: bool = False):
+                 partial_rollouts: bool = False, name: str = "local", move_to_newest: bool = False,
+                 services: Services | None = None):
         self.ctx, self.agents, self.store, self.name = ctx, dict(agents), store, name
+        # the live services episodes use: the compiled step's in process, else built here from the plan
+        self.services = services if services is not None else Services.build(ctx.plan)
         self.partial_rollouts, self.move_to_newest = partial_rollouts, move_to_newest
         self.followed = mirrored_agents(self.agents, ctx)
         self.version = min((self.agents[a].policy_version for a in self.followed), default=0)
@@ -75,13 +81,10 @@ class LocalWorker:
         self._started: list = []  # the services this worker started (and stops on aclose)
 
     async def start(self) -> None:
-        """Start the plan's tool servers that are not running in this worker (once; later calls
-        return at once). In process they may be the compiled step's, already started by it."""
+        """Start the worker's services that are not running (later calls return at once). In
+        process they are the compiled step's, which may have started them already."""
         async with self._starting:
-            for toolbox in plan_toolboxes(self.ctx.plan):
-                if not toolbox.started:
-                    await toolbox.start()
-                    self._started.append(toolbox)
+            self._started += await self.services.start()
 
     async def run(self, job: Job, on_episode=None) -> list[Episode]:
         await self.start()
@@ -95,7 +98,7 @@ class LocalWorker:
         try:
             ctx = self.ctx.next(step=job.step, rollout_id=job.rollout_id or f"{self.name}:{job.step}", mode=job.mode)
             return await rollout_from_context(ctx, self.agents, job.rows, dict(job.columns), groups=job.groups,
-                                              on_episode=on_episode)
+                                              on_episode=on_episode, services=self.services)
         finally:
             self.inflight[started] -= len(job.rows)
             async with self._changed:
@@ -122,10 +125,9 @@ class LocalWorker:
                 self.version = version
 
     async def aclose(self) -> None:
-        """Stop the tool servers this worker started (the compiled step stops its own)."""
+        """Close the services this worker started (the compiled step closes its own)."""
         started, self._started = self._started, []
-        for toolbox in started:
-            await toolbox.aclose()
+        await close(started)
 
     @property
     def load(self) -> int:

@@ -1,6 +1,8 @@
 """Recipe constructors for existing agent code and model judges: ``ml.agent_episodes`` (the
 agent's episodes through an OpenAI-compatible endpoint served by the policy) and ``ml.judge``
-(an LLM-judge reward term)."""
+(an LLM-judge reward term). Their nodes hold specs (``EndpointSpec``, ``JudgeSpec``,
+``PrinciplesSpec``: frozen, picklable, checked here), never a live server or client pool: the
+compiled step builds those (``materl.compiler.services``)."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
         raise RecipeError(f"ml.agent_episodes(request_reward=...) needs a function (messages, reply, task) -> "
                           f"float | None, got {request_reward!r}")
     from materl.rollout.agent_errors import check_model_errors
-    from materl.rollout.endpoint import AgentEndpoint
+    from materl.rollout.endpoint import EndpointSpec
 
     if model_errors is not None:
         model_errors = check_model_errors(model_errors, "ml.agent_episodes")
@@ -44,7 +46,7 @@ def agent_episodes(policy, prompts, *, agent, name: str | None = None, parser: s
         raise RecipeError(f"ml.agent_episodes(max_request_bytes=...) takes a positive int, got {max_request_bytes!r}")
     b = active_builder("ml.agent_episodes")
     a = b.agent(policy, "ml.agent_episodes")
-    endpoint = AgentEndpoint(**({"max_request_bytes": max_request_bytes} if max_request_bytes else {}))
+    endpoint = EndpointSpec(**({"max_request_bytes": max_request_bytes} if max_request_bytes else {}))
     params = {"agent": agent, "endpoint": endpoint, "parser": parser,
               **{k: v for k, v in (("max_new_tokens", max_new_tokens), ("temperature", temperature),
                                    ("greedy", greedy), ("request_reward", request_reward),
@@ -78,7 +80,7 @@ def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = Fa
     ``reward/<name>/<principle>``, the reward their ``aggregate`` (a ``REWARD_AGGREGATORS`` name:
     mean, weighted_sum, min, max, or pareto within the group); ``revise="score"`` or ``"prefer"``
     adds a critique-then-revise pass (``materl.rollout.principles``)."""
-    from materl.rollout.judge import Judge
+    from materl.rollout.judge import JudgeSpec
 
     if principles is not None:
         return _principles(rubric, principles, model=model, rollout=rollout, relative=relative, weight=weight,
@@ -96,7 +98,7 @@ def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = Fa
         raise RecipeError(f"ml.judge needs a rubric (a non-empty string), got {rubric!r}")
     if rollout is not None and not isinstance(rollout, Value):
         raise RecipeError(f"ml.judge(rollout=...) needs a Value from the recipe, got {rollout!r}")
-    the_judge = Judge(model, rubric, api_key=api_key, model_name=model_name, parse=parse,
+    the_judge = JudgeSpec(model, rubric, api_key=api_key, model_name=model_name, parse=parse,
                       max_concurrency=max_concurrency, timeout_s=timeout_s, retries=retries,
                       max_new_tokens=max_new_tokens, temperature=temperature, max_answer_bytes=max_answer_bytes,
                       backoff_s=backoff_s, max_backoff_s=max_backoff_s)
@@ -112,7 +114,7 @@ def judge(rubric: str | None = None, *, model, rollout=None, relative: bool = Fa
 
 def _principles(rubric, principles, *, model, rollout, relative: bool, weight: float, name: str | None,
                 aggregate: str, revise: str | None, options: dict) -> RewardExpr:
-    from materl.rollout.principles import PrincipleJudge
+    from materl.rollout.principles import PrinciplesSpec
 
     if rubric is not None or relative:
         raise RecipeError(f"ml.judge(principles=...) scores each principle on its own; drop "
@@ -120,7 +122,7 @@ def _principles(rubric, principles, *, model, rollout, relative: bool, weight: f
                           f"(a rubric is a principle: put it in the list)")
     if rollout is not None and not isinstance(rollout, Value):
         raise RecipeError(f"ml.judge(rollout=...) needs a Value from the recipe, got {rollout!r}")
-    the_judge = PrincipleJudge(model, principles, aggregate=aggregate, revise=revise, **options)
+    the_judge = PrinciplesSpec(model, principles, aggregate, revise, options)
     b = active_builder("ml.judge")
     scored = rollout if rollout is not None else b.latest_completions("ml.judge")
     if scored is None:

@@ -49,7 +49,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import anyio
@@ -69,7 +69,7 @@ INLINE_BYTES = 64 * 2**10  # smaller requests parse and tokenize in about a mill
 ROUTES = {"/v1/models": "GET", "/v1/chat/completions": "POST", "/v1/responses": "POST"}
 log = logging.getLogger("materl")
 
-__all__ = ["AgentEndpoint", "AgentSession", "BadRequest"]
+__all__ = ["AgentEndpoint", "AgentSession", "BadRequest", "EndpointSpec"]
 
 
 @dataclass
@@ -100,10 +100,30 @@ class _Answer:
     finish: str
 
 
+@dataclass(frozen=True)
+class EndpointSpec:
+    """What ``ml.agent_episodes`` puts in its node: the endpoint's settings. ``build()`` makes
+    the ``AgentEndpoint`` (a ``materl.rollout.services.ServiceSpec``); each compiled step and
+    rollout worker builds its own, starts it with its services and closes it."""
+
+    max_request_bytes: int = MAX_REQUEST_BYTES
+    read_timeout_s: float = http.READ_TIMEOUT_S
+    keep_alive_s: float = http.KEEP_ALIVE_S
+    blocked_after_s: float = BLOCKED_AFTER_S
+
+    def build(self) -> AgentEndpoint:
+        return AgentEndpoint(max_request_bytes=self.max_request_bytes, read_timeout_s=self.read_timeout_s,
+                             keep_alive_s=self.keep_alive_s, blocked_after_s=self.blocked_after_s)
+
+    def __repr__(self) -> str:
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if getattr(self, f.name) != f.default]
+        return f"AgentEndpoint({', '.join(changed)})"
+
+
 class AgentEndpoint:
     """The HTTP server (uvicorn, a small ASGI app) in the event loop of the rollout; see the module
-    docstring. ``start``/``aclose``/``end_episode``/``started`` are the service methods the
-    compiled step calls on it, as on a Toolbox."""
+    docstring. An ``EpisodeService`` (``materl.rollout.services``): ``start``/``aclose``/
+    ``end_episode``/``started`` are what the compiled step calls on it, as on a Toolbox."""
 
     def __init__(self, *, max_request_bytes: int = MAX_REQUEST_BYTES, read_timeout_s: float = http.READ_TIMEOUT_S,
                  keep_alive_s: float = http.KEEP_ALIVE_S, blocked_after_s: float = BLOCKED_AFTER_S):
@@ -116,13 +136,6 @@ class AgentEndpoint:
         self._task: asyncio.Task | None = None
         self._http: Pools | None = None  # the episodes' clients' shared connection pools
         self.port: int | None = None
-
-    def __getstate__(self):  # a worker process starts its own server
-        return {"max_request_bytes": self.max_request_bytes, "read_timeout_s": self.read_timeout_s,
-                "keep_alive_s": self.keep_alive_s, "blocked_after_s": self.watch.after_s}
-
-    def __setstate__(self, state):
-        self.__init__(**state)
 
     def __repr__(self) -> str:
         return f"AgentEndpoint({self.base_url if self.started else 'not started'})"

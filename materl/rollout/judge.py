@@ -5,6 +5,8 @@
     scores = await judge.rank("What is 2+3?", rollouts)             # a group in one call (RULER)
     verdict = await judge.verdict("What is 2+3?", rollout)          # the score, the answer, the calls
     judge = Judge("http://127.0.0.1:8000/v1", rubric, model_name="qwen", api_key="...")   # any OpenAI URL
+    await judge.aclose()                                            # its connection pools closed
+    spec = JudgeSpec(url, rubric)                                   # what ml.judge's node holds; spec.build()
 
 The judge is a materl ``Agent`` (sampled in process through its engine, like any turn) or the
 base URL of an OpenAI-compatible server (``POST <url>/chat/completions``). Calls are bounded by a
@@ -40,7 +42,7 @@ import json
 import random
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import anyio
@@ -186,26 +188,72 @@ def question_seed(messages: list[dict], attempt: int) -> int:
     return int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
+def check_judge(model: Any, *, max_concurrency: int, retries: int, max_answer_bytes: int, timeout_s: float,
+                backoff_s: float, max_backoff_s: float) -> None:
+    """ConfigError for a judge model or setting a ``Judge`` cannot use (``JudgeSpec`` checks it
+    when the recipe is written)."""
+    if not isinstance(model, str) and not (hasattr(model, "engine") and hasattr(model, "tokenizer")):
+        raise ConfigError(f"a judge is a materl Agent or an OpenAI-compatible base URL, got {model!r}")
+    if isinstance(model, str) and not model.startswith(("http://", "https://")):
+        raise ConfigError(f"judge URL {model!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000/v1)")
+    for key, value, low in (("max_concurrency", max_concurrency, 1), ("retries", retries, 0),
+                            ("max_answer_bytes", max_answer_bytes, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ConfigError(f"judge {key} must be an int >= {low}, got {value!r}")
+    for key, value, positive in (("timeout_s", timeout_s, True), ("backoff_s", backoff_s, False),
+                                 ("max_backoff_s", max_backoff_s, False)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 or
+                                                                                 (value == 0 and not positive)):
+            raise ConfigError(f"judge {key} must be a number {'>' if positive else '>='} 0, got {value!r}")
+
+
+def _target(model: Any) -> str:
+    return model if isinstance(model, str) else f"Agent({getattr(model, 'name', '?')!r})"
+
+
+@dataclass(frozen=True)
+class JudgeSpec:
+    """What ``ml.judge`` puts in its node: the judge's model (a materl ``Agent`` or a URL), rubric
+    and settings, checked when made. ``build()`` makes the ``Judge`` (a
+    ``materl.rollout.services.ServiceSpec``): each compiled step builds its own, whose connection
+    pools it closes when it closes."""
+
+    model: Any
+    rubric: str
+    api_key: str | None = None
+    model_name: str = "judge"
+    parse: Callable | None = None
+    max_concurrency: int = 8
+    timeout_s: float = 60.0
+    retries: int = 2
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES
+    backoff_s: float = 1.0
+    max_backoff_s: float = 60.0
+
+    def __post_init__(self):
+        check_judge(self.model, max_concurrency=self.max_concurrency, retries=self.retries,
+                    max_answer_bytes=self.max_answer_bytes, timeout_s=self.timeout_s, backoff_s=self.backoff_s,
+                    max_backoff_s=self.max_backoff_s)
+
+    def build(self) -> Judge:
+        return Judge(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def __repr__(self) -> str:
+        return f"Judge({_target(self.model)}, rubric={self.rubric[:40]!r})"
+
+
 class Judge:
-    """See the module docstring."""
+    """See the module docstring. An ``EpisodeService`` (``materl.rollout.services``): ``aclose``
+    closes a URL judge's connection pools (it is usable again afterwards: they reopen)."""
 
     def __init__(self, model: Any, rubric: str, *, api_key: str | None = None, model_name: str = "judge",
                  parse: Callable | None = None, max_concurrency: int = 8, timeout_s: float = 60.0, retries: int = 2,
                  max_new_tokens: int = 256, temperature: float = 0.0,
                  max_answer_bytes: int = DEFAULT_MAX_ANSWER_BYTES, backoff_s: float = 1.0, max_backoff_s: float = 60.0):
-        if not isinstance(model, str) and not (hasattr(model, "engine") and hasattr(model, "tokenizer")):
-            raise ConfigError(f"a judge is a materl Agent or an OpenAI-compatible base URL, got {model!r}")
-        if isinstance(model, str) and not model.startswith(("http://", "https://")):
-            raise ConfigError(f"judge URL {model!r} must start with http:// or https:// (e.g. http://127.0.0.1:8000/v1)")
-        for key, value, low in (("max_concurrency", max_concurrency, 1), ("retries", retries, 0),
-                                ("max_answer_bytes", max_answer_bytes, 1)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"judge {key} must be an int >= {low}, got {value!r}")
-        for key, value, positive in (("timeout_s", timeout_s, True), ("backoff_s", backoff_s, False),
-                                     ("max_backoff_s", max_backoff_s, False)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (value > 0 or
-                                                                                     (value == 0 and not positive)):
-                raise ConfigError(f"judge {key} must be a number {'>' if positive else '>='} 0, got {value!r}")
+        check_judge(model, max_concurrency=max_concurrency, retries=retries, max_answer_bytes=max_answer_bytes,
+                    timeout_s=timeout_s, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
         self.model, self.rubric, self.api_key, self.model_name = model, rubric, api_key, model_name
         self.parse, self.max_concurrency, self.timeout_s, self.retries = parse, max_concurrency, timeout_s, retries
         self.max_new_tokens, self.temperature = max_new_tokens, temperature
@@ -213,14 +261,33 @@ class Judge:
         self._rng = random.Random()  # the backoff's jitter
         self._limits: dict[int, anyio.Semaphore] = {}  # one per event loop
         self._clients: dict[int, Pools] = {}  # an URL judge's httpx clients, per event loop
+        self._started = False
         self.calls = 0  # judge requests sent (attempts), for metrics and tests
 
     def __repr__(self) -> str:
-        target = self.model if isinstance(self.model, str) else f"Agent({getattr(self.model, 'name', '?')!r})"
-        return f"Judge({target}, rubric={self.rubric[:40]!r})"
+        return f"Judge({_target(self.model)}, rubric={self.rubric[:40]!r})"
 
-    def __getstate__(self):
-        return {**self.__dict__, "_limits": {}, "_clients": {}}
+    # -- service (materl.rollout.services.EpisodeService) --
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    async def start(self) -> Judge:
+        """Nothing to open ahead: a URL judge's pools open with its first call."""
+        self._started = True
+        return self
+
+    async def end_episode(self, episode_id: str) -> None:
+        """A judge keeps nothing per episode."""
+
+    async def aclose(self) -> None:
+        """Close a URL judge's connection pools (those of this event loop; a judge's calls run in
+        the loop that closes it)."""
+        self._started = False
+        clients, self._clients = self._clients, {}
+        pools = clients.get(id(asyncio.get_running_loop()))
+        if pools is not None:
+            await pools.aclose()
 
     async def score(self, task: str, rollout: Rollout) -> float:
         """One episode's score in [0, 1]."""

@@ -201,7 +201,13 @@ class Toolbox:
             self._specs[name] = spec
             self._backends.append(spec.backend(name, settings))
 
-    # -- lifecycle --
+    # -- lifecycle (materl.rollout.services.EpisodeService) --
+    def build(self) -> Toolbox:
+        """A Toolbox is its own spec (``materl.rollout.services.ServiceSpec``): the steps compiled
+        from a recipe share the recipe's one Toolbox, and each stops the servers it started (a
+        pickled Toolbox is a description: the receiver starts its own)."""
+        return self
+
     @property
     def started(self) -> bool:
         return self._state == "started"

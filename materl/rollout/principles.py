@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 
 from materl.errors import ConfigError, RewardError
 from materl.ops.rewards import REWARD_AGGREGATORS, Reward, VectorReward
-from materl.rollout.judge import Judge, delimited
+from materl.rollout.judge import Judge, JudgeSpec, delimited
 from materl.rollout.types import Rollout
 
 REVISE_MODES = (None, "score", "prefer")
@@ -93,29 +93,88 @@ def parse_revision(text: str) -> str:
     return parts[-1].strip()
 
 
-class PrincipleJudge:
-    """See the module docstring. ``judge_options``: ``Judge``'s keywords (api_key, model_name,
-    parse, max_concurrency, timeout_s, retries, max_new_tokens, temperature)."""
+@dataclass(frozen=True)
+class PrinciplesSpec:
+    """What ``ml.judge(principles=...)`` puts in its node: the model, the principles (checked and
+    normalised), the aggregate, the revise mode and the judges' options, checked when made.
+    ``build()`` makes the ``PrincipleJudge`` (a ``materl.rollout.services.ServiceSpec``)."""
 
-    def __init__(self, model: Any, principles: Sequence[Any], *, aggregate: str = "mean", revise: str | None = None,
-                 **judge_options: Any):
-        self.principles = as_principles(principles)
-        REWARD_AGGREGATORS.get(aggregate)  # unknown names list the valid ones
-        if revise not in REVISE_MODES:
-            raise ConfigError(f"revise must be one of {', '.join(map(repr, REVISE_MODES))}, got {revise!r}")
-        self.aggregate, self.revise = aggregate, revise
-        self.judges = {p.name: Judge(model, p.text, **judge_options) for p in self.principles}
+    model: Any
+    principles: tuple[Principle, ...]
+    aggregate: str = "mean"
+    revise: str | None = None
+    options: Mapping[str, Any] = field(default_factory=dict)  # Judge's keywords
+
+    def __post_init__(self):
+        object.__setattr__(self, "principles", as_principles(self.principles))
+        REWARD_AGGREGATORS.get(self.aggregate)  # unknown names list the valid ones
+        if self.revise not in REVISE_MODES:
+            raise ConfigError(f"revise must be one of {', '.join(map(repr, REVISE_MODES))}, got {self.revise!r}")
+        object.__setattr__(self, "options", dict(self.options))
+        self.judges()  # the judges' settings, checked
+
+    def judges(self) -> tuple[dict[str, JudgeSpec], JudgeSpec | None]:
+        """One judge per principle (its text the rubric), and the critic with ``revise``."""
+        per = {p.name: JudgeSpec(self.model, p.text, **self.options) for p in self.principles}
         listed = "\n".join(f"- {p.text}" for p in self.principles)
-        self.critic = Judge(model, CRITIQUE.format(principles=listed), **judge_options) if revise else None
-
-    def __repr__(self) -> str:
-        return (f"PrincipleJudge({', '.join(p.name for p in self.principles)}; aggregate={self.aggregate!r}"
-                f"{f', revise={self.revise!r}' if self.revise else ''})")
+        return per, JudgeSpec(self.model, CRITIQUE.format(principles=listed), **self.options) if self.revise else None
 
     @property
     def group_wise(self) -> bool:
         """Whether the aggregate compares a group's episodes (pareto): the node is then group-scope."""
         return self.aggregate == "pareto"
+
+    def build(self) -> PrincipleJudge:
+        return PrincipleJudge.of(self)
+
+    def __repr__(self) -> str:
+        return (f"PrincipleJudge({', '.join(p.name for p in self.principles)}; aggregate={self.aggregate!r}"
+                f"{f', revise={self.revise!r}' if self.revise else ''})")
+
+
+class PrincipleJudge:
+    """See the module docstring. ``judge_options``: ``Judge``'s keywords (api_key, model_name,
+    parse, max_concurrency, timeout_s, retries, max_new_tokens, temperature). An
+    ``EpisodeService`` (``materl.rollout.services``): ``start``/``aclose`` reach its judges."""
+
+    def __init__(self, model: Any, principles: Sequence[Any], *, aggregate: str = "mean", revise: str | None = None,
+                 **judge_options: Any):
+        self.spec = PrinciplesSpec(model, principles, aggregate, revise, judge_options)
+        self.principles, self.aggregate, self.revise = self.spec.principles, aggregate, revise
+        judges, critic = self.spec.judges()
+        self.judges = {name: j.build() for name, j in judges.items()}
+        self.critic = critic.build() if critic is not None else None
+
+    @classmethod
+    def of(cls, spec: PrinciplesSpec) -> PrincipleJudge:
+        return cls(spec.model, spec.principles, aggregate=spec.aggregate, revise=spec.revise, **spec.options)
+
+    def __repr__(self) -> str:
+        return repr(self.spec)
+
+    # -- service (materl.rollout.services.EpisodeService) --
+    def _all(self) -> list[Judge]:
+        return [*self.judges.values(), *([self.critic] if self.critic is not None else [])]
+
+    @property
+    def started(self) -> bool:
+        return all(j.started for j in self._all())
+
+    async def start(self) -> PrincipleJudge:
+        for j in self._all():
+            await j.start()
+        return self
+
+    async def end_episode(self, episode_id: str) -> None:
+        """Its judges keep nothing per episode."""
+
+    async def aclose(self) -> None:
+        for j in self._all():
+            await j.aclose()
+
+    @property
+    def group_wise(self) -> bool:
+        return self.spec.group_wise
 
     async def critique(self, task: str, rollout: Rollout) -> str:
         """The critic's revision of the episode's answer (also kept in ``metadata["revision"]``)."""

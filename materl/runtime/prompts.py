@@ -113,7 +113,7 @@ def fit_prompts(compiled, rows: list[Row], *, max_prompt_tokens: int | None = No
     if max_prompt_tokens is not None and (not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1):
         raise ConfigError(f"max_prompt_tokens={max_prompt_tokens!r}; accepted: an integer >= 1 or None")
     if any(_unstarted(compiled.plan.nodes[n].params.get("tools")) for n in compiled.plan.nodes):
-        compiled.call_blocking(compiled.start_tools)  # their schemas are part of the prompt
+        compiled.call_blocking(compiled.start_services)  # their schemas are part of the prompt
     sites = prompt_sites(compiled, max_prompt_tokens)
     out, problems = [], []
     for row in rows:

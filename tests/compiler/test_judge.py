@@ -25,10 +25,12 @@ def judged(judge_model, **judge_kw):
     return judged_recipe
 
 
-async def rollout(recipe, prompts=("hi", "yo"), **options):
+async def rollout(recipe, prompts=("hi", "yo"), *, steps: list | None = None, **options):
     compiled = Compiled(recipe, {"policy": ml.Agent("tiny-random")},
                         CompileOptions(max_new_tokens=5, group_size=2, max_failed_fraction=1.0, **options),
                         rollout_only=True)
+    if steps is not None:  # the caller reads the step's live services
+        steps.append(compiled)
     try:
         return await compiled.rollout(list(prompts))
     finally:
@@ -49,8 +51,9 @@ def test_the_default_parsers_read_scores_and_refuse_the_rest():
 async def test_a_gibberish_judge_fails_its_episodes_after_its_retries():
     judge_model = ml.Agent("tiny-random")
     recipe = judged(judge_model, retries=1, max_new_tokens=8, temperature=1.0)
-    episodes = await rollout(recipe)
-    judge = recipe.node("judge").params["judge"]
+    steps = []
+    episodes = await rollout(recipe, steps=steps)
+    judge = steps[0].service("judge")  # the live Judge the step built from the recipe's spec
     assert judge.calls == 8  # 2 prompts x 2 episodes each x (1 try + 1 retry)
     for ep in episodes:
         assert (ep.error.node, ep.error.kind) == ("judge", "RewardError")

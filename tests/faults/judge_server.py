@@ -69,7 +69,7 @@ class Stream:
 
 
 class JudgeServer:
-    def __init__(self, answer: Callable[[int, dict], Response]):
+    def __init__(self, answer: Callable[[int, dict], Response], *, keep_alive_s: float = 5.0):
         self.answer = answer
         self.requests: list[tuple[float, dict]] = []  # (arrival on the wall clock, body)
         self._lock = threading.Lock()
@@ -77,7 +77,7 @@ class JudgeServer:
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}/v1"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=keep_alive_s))
 
     async def _chat(self, request) -> Response:
         arrived = time.time()

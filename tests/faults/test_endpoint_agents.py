@@ -36,10 +36,10 @@ def blocking(policy, prompts):
 
 
 async def test_an_async_agent_holding_the_event_loop_is_reported_at_once(caplog):
-    endpoint = blocking.node("rollout").params["endpoint"]
-    endpoint.watch.after_s = 0.5
     compiled = Compiled(blocking, {"policy": ml.Agent("tiny-random")},
                         CompileOptions(group_size=1, max_new_tokens=4, max_failed_fraction=1.0), rollout_only=True)
+    endpoint = compiled.service("rollout")  # the live endpoint the step built from the recipe's spec
+    endpoint.watch.after_s = 0.5
     with caplog.at_level(logging.ERROR, logger="materl"):
         try:
             (episode,) = await compiled.rollout(["hi"])
@@ -69,9 +69,9 @@ def agent_grpo(policy, prompts):
 
 
 def test_train_then_close_leaves_no_agent_endpoint_running(tmp_path, caplog, capfd):
-    endpoint = agent_grpo.node("rollout").params["endpoint"]
     step = ml.compile(agent_grpo, policy=ml.Agent("tiny-random", trainable=True), group_size=2, max_new_tokens=4,
                       lr=1e-3, max_staleness=1)  # the in-process worker samples with a copy and starts the endpoint
+    endpoint = step.service("rollout")
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         try:
             out = train(step, [{"prompt": "a"}, {"prompt": "b"}], steps=2, batch_size=1, run_dir=tmp_path,

@@ -5,6 +5,8 @@ OpenAI-compatible endpoint that the policy's engine serves (``materl.rollout.end
     def my_sync_agent(client: openai.OpenAI, task: dict) -> Any: ...     # run in a thread
     rollout = ml.agent_episodes(policy, prompts, agent=my_agent)
 
+The node holds the endpoint's spec (``EndpointSpec``); the compiled step (or a rollout worker)
+builds the live endpoint, starts it with its other services and closes it (``Run.service``).
 Each episode gets its own API key and an ``openai.AsyncOpenAI`` client for it (an ``openai.OpenAI``
 for a plain ``def`` agent, which runs in a thread of its own); the agent's
 requests are sampled by the policy's engine (any engine: through ``model_turn``, like
@@ -47,9 +49,7 @@ def task_of(ep: Episode) -> dict:
 
 
 async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
-    agent, endpoint = run.agent(node), node.params["endpoint"]
-    if not endpoint.started:  # started with the step's toolboxes; here when a caller runs the stage alone
-        await endpoint.start()
+    agent, endpoint = run.agent(node), run.service(node, "endpoint")
     session = AgentSession(agent.engine, agent.tokenizer, lambda k: sampling(run, node, ep.seed, k),
                            parser=node.params.get("parser", "auto"), model=agent.name,
                            context_tokens=model_context(agent))
@@ -139,5 +139,6 @@ def _name_of(fn) -> str:
 SPECS = (
     OpSpec("agent_episodes", Role.ROLLOUT, (Output("rollout", Kind.ROLLOUT),),
            (Impl("endpoint", episode=agent_episode),), locality="episode", may_call_tools=lambda node: True,
+           services=("endpoint",),
            doc="the user's agent code against an OpenAI-compatible endpoint served by the policy"),
 )

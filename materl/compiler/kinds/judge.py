@@ -4,7 +4,9 @@ Absolute judging is episode-scope: each episode awaits its own judge call as soo
 exists, while other episodes still generate (the judge's latency overlaps the rollout, bounded
 by the judge's semaphore). Relative judging (RULER) is group-scope: a group's episodes go to the
 judge in one call once the group is done. A judge failure fails the episode (absolute) or the
-group's episodes (relative), with the judge's error recorded.
+group's episodes (relative), with the judge's error recorded. The node holds the judge's spec
+(``JudgeSpec``); the live ``Judge`` is the compiled step's (``Run.service``), which closes its
+connection pools when the step closes.
 
 Each judged episode records the call that scored it: ``judge/<node>/calls`` in its metrics (the
 requests sent, 1 + the retries used; for a relative call, the group's call, so each of its
@@ -24,7 +26,7 @@ from materl.graph.node import Node
 
 
 async def judge_episode(run: Run, node: Node, ep: Episode, rollout) -> float:
-    verdict = await node.params["judge"].verdict(prompt_text(ep.prompt), as_rollout(rollout))
+    verdict = await run.service(node, "judge").verdict(prompt_text(ep.prompt), as_rollout(rollout))
     record(node, ep, verdict)
     return verdict.value
 
@@ -37,7 +39,7 @@ def record(node: Node, ep: Episode, verdict) -> None:
 
 async def judge_groups(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
     """One judge call per group (concurrently), scores back in the episodes' order."""
-    judge, rollouts = node.params["judge"], [as_rollout(x) for x in inputs[0]]
+    judge, rollouts = run.service(node, "judge"), [as_rollout(x) for x in inputs[0]]
     groups: dict[int, list[int]] = {}
     for i, ep in enumerate(eps):
         groups.setdefault(ep.group, []).append(i)
@@ -70,6 +72,6 @@ SPECS = (
     OpSpec("judge", Role.SCORE, (Output("score", Kind.ROW),), (
         Impl("absolute", episode=judge_episode, when=lambda n, o: NOT_FOR if _relative(n) else None),
         Impl("relative", batch=judge_groups, when=lambda n, o: None if _relative(n) else NOT_FOR),
-    ), locality=lambda n: "group" if _relative(n) else "episode",
+    ), locality=lambda n: "group" if _relative(n) else "episode", services=("judge",),
         doc="an LLM judge's score per episode against a rubric (relative: a group in one call)"),
 )

@@ -6,7 +6,8 @@ Row-wise aggregates (mean, weighted_sum, min, max) run per episode as soon as it
 batched with the episodes that finish in the same tick; ``pareto`` compares a group's episodes, so
 it runs once the group is done. Each principle's score is an episode metric
 ``reward/<node>/<principle>`` (reported as ``.../mean`` and ``.../std``); a judge failure fails
-the episodes it was judging, with its error.
+the episodes it was judging, with its error. The node holds a ``PrinciplesSpec``; the live
+``PrincipleJudge`` is the compiled step's (``Run.service``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from materl.graph.node import Node
 
 
 async def principle_scores(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
-    judge = node.params["principles"]
+    judge = run.service(node, "principles")
     rollouts = [as_rollout(x) for x in inputs[0]]
     prompts = [prompt_text(ep.prompt) for ep in eps]
     await judge.revise_all(prompts, rollouts)
@@ -34,6 +35,6 @@ async def principle_scores(run: Run, node: Node, eps: list[Episode], inputs: lis
 
 SPECS = (
     OpSpec("principles", Role.SCORE, (Output("score", Kind.ROW),), (Impl("judge", batch=principle_scores),),
-           locality=lambda n: "group" if n.params["principles"].group_wise else "row",
+           locality=lambda n: "group" if n.params["principles"].group_wise else "row", services=("principles",),
            doc="an LLM judge's score per principle, aggregated (mean, ..., pareto within the group)"),
 )

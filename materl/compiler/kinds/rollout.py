@@ -31,8 +31,8 @@ async def generate(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
 
 async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_responses=None) -> StepResult:
     agent = run.agent(node)
-    tools = node.params.get("tools")
-    specs = tools.tools if hasattr(tools, "tools") else tools
+    toolbox = run.services.get(node.name, "tools")  # None: no tools, or OpenAI function specs in the node
+    specs = toolbox.tools if toolbox is not None else node.params.get("tools")
     if isinstance(history, StepResult):
         state = history.history
     elif isinstance(history, EpisodeState):
@@ -70,7 +70,7 @@ async def env_rollout(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
 
 
 async def call_tools(run: Run, node: Node, ep: Episode, step) -> list:
-    toolbox = node.params["tools"]
+    toolbox = run.service(node, "tools")
     calls = step.tool_requests if isinstance(step, StepResult) else list(step or [])
     results: list = [None] * len(calls)
 
@@ -116,13 +116,13 @@ SPECS = (
            doc="one sampled completion (a one-step Rollout)"),
     OpSpec("generate_step", Role.ROLLOUT, (Output("step", Kind.ROLLOUT),),
            (Impl("engine", episode=generate_step_impl),), locality="episode", check=check_generate_step,
-           turn=True, may_call_tools=lambda node: bool(node.params.get("tools")),
+           turn=True, may_call_tools=lambda node: bool(node.params.get("tools")), services=("tools",),
            doc="one model turn of a multi-turn episode (after the previous turn's tool results)"),
     OpSpec("structure_rollout", Role.ROLLOUT, _ROLLOUT, (Impl("python", episode=structure_rollout),),
            locality="episode", doc="the episode's Rollout: ordered generate and tool steps with loss masks"),
     OpSpec("env_rollout", Role.ROLLOUT, _ROLLOUT, (Impl("engine", episode=env_rollout),), locality="episode",
            doc="a multi-turn episode against a fresh environment"),
     OpSpec("call_tools", Role.TOOLS, (Output("results", Kind.OBJECT),), (Impl("mcp", episode=call_tools),),
-           locality="episode", check=check_call_tools, may_call_tools=lambda node: True,
+           locality="episode", check=check_call_tools, may_call_tools=lambda node: True, services=("tools",),
            doc="a generate step's tool calls, run concurrently"),
 )
