@@ -28,9 +28,9 @@ def _given(**kw: Any) -> dict[str, Any]:
 def _check_tools(tools: Any, what: str, *, schemas_ok: bool) -> None:
     """``tools=`` is a Toolbox (``ml.mcp_tools(...)``); generate_step also takes OpenAI function
     specs (dicts) or None. A server command line is not a Toolbox."""
-    if tools is None and schemas_ok:
-        return
-    if hasattr(tools, "execute") and hasattr(tools, "start"):
+    from materl.rollout.mcp import Toolbox
+
+    if (tools is None and schemas_ok) or isinstance(tools, Toolbox):
         return
     if schemas_ok and isinstance(tools, (list, tuple)) and all(isinstance(t, dict) for t in tools):
         return

@@ -24,6 +24,7 @@ from materl.agent import model_context
 from materl.errors import ConfigError, DataError
 from materl.ops.rewards import BATCH_KEYS, REWARDS
 from materl.rollout.episode import EpisodeState, encode, prompt_messages
+from materl.rollout.mcp import Toolbox
 from materl.runtime.data import Row, check_columns, load_rows, raise_problems
 
 TRUNCATION = ("error", "left", "right")
@@ -97,7 +98,7 @@ def prompt_sites(compiled, max_prompt_tokens: int | None = None) -> list[_Site]:
             continue
         limit, why = min(limits)
         tools = node.params.get("tools")
-        specs = tools.tools if hasattr(tools, "tools") else tools
+        specs = tools.tools if isinstance(tools, Toolbox) else tools  # a Toolbox, or OpenAI function specs
         sites.append(_Site(node.name, name, agent.tokenizer, list(specs) if specs else None,
                            node.params.get("system", options.system_prompt), limit, why))
     return sites
@@ -112,7 +113,7 @@ def fit_prompts(compiled, rows: list[Row], *, max_prompt_tokens: int | None = No
         raise ConfigError(f"truncation={truncation!r}; accepted: {', '.join(TRUNCATION)}")
     if max_prompt_tokens is not None and (not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1):
         raise ConfigError(f"max_prompt_tokens={max_prompt_tokens!r}; accepted: an integer >= 1 or None")
-    if any(_unstarted(compiled.plan.nodes[n].params.get("tools")) for n in compiled.plan.nodes):
+    if any(isinstance(s, Toolbox) and not s.started for s in compiled.services.all):
         compiled.call_blocking(compiled.start_services)  # their schemas are part of the prompt
     sites = prompt_sites(compiled, max_prompt_tokens)
     out, problems = [], []
@@ -131,10 +132,6 @@ def fit_prompts(compiled, rows: list[Row], *, max_prompt_tokens: int | None = No
         out.append(row)
     raise_problems(problems, what="prompt")
     return out
-
-
-def _unstarted(tools: Any) -> bool:
-    return hasattr(tools, "start") and hasattr(tools, "execute") and not getattr(tools, "started", True)
 
 
 def prompt_length(site: _Site, prompt: Any) -> int:
