@@ -46,6 +46,7 @@ _EXPORTS = {
     "materl.rollout.env": ["Environment"],
     "materl.rollout.self_play": ["TextArenaGame", "TwoPlayerGame", "game_outcome"],
     "materl.runtime.train": ["train", "train_rlhf"],
+    "materl.runtime.train_settings": ["TrainSettings"],
     "materl.runtime.evaluate": ["evaluate"],
     "materl.runtime.export": ["export"],
     "materl.runtime.curriculum": ["Curriculum", "Knobbed"],
