@@ -20,7 +20,8 @@ reference's one reward call and one advantage call; and the scheduler's per-node
 ``@ml.op`` nodes (each returns its input) over E episodes, rollout stage only:
 ``(rollout wall - the same K awaits per episode in bare anyio tasks) / (K x E)``, and the same
 in the event-loop thread's CPU time (less sensitive to other processes on a shared machine).
-With ``--profile``, cProfile of the compiled step (event-loop thread) is printed too.
+With ``--profile``, cProfile of the compiled step (event-loop thread) and of the scheduler
+micro-benchmark's rollouts are printed too.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py [--rounds 100] [--profile]
 """
@@ -338,6 +339,31 @@ def profile_compiled(steps: int, kernels: str) -> None:
     print("```")
 
 
+def profile_nodes(k: int, episodes: int, rollouts: int = 20) -> None:
+    """cProfile of the scheduler micro-benchmark's rollouts (``node_overhead``'s recipe), top 15
+    by own time: what a node costs beyond the bare awaits."""
+    compiled = Compiled(trivial_recipe(k), {}, CompileOptions(), rollout_only=True)
+    prompts = [f"p{i}" for i in range(episodes)]
+
+    async def go() -> None:
+        for _ in range(rollouts):
+            await compiled.rollout(prompts)
+
+    anyio.run(go)
+    prof = cProfile.Profile()
+    prof.enable()
+    anyio.run(go)
+    prof.disable()
+    compiled.close()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    print(f"\n## cProfile of {rollouts} rollouts of {k} trivial nodes x {episodes} episodes, top 15 by own time\n")
+    print("```")
+    print("\n".join(line.replace(str(ROOT) + "/", "").replace(SITE, "") for line in out.getvalue().splitlines()
+                    if line.strip()))
+    print("```")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=100)
@@ -357,6 +383,7 @@ def main() -> None:
     print_node_overhead(node_overhead(args.nodes, args.episodes, repeat=30))
     if args.profile:
         profile_compiled(30, args.kernels)
+        profile_nodes(args.nodes, args.episodes)
 
 
 if __name__ == "__main__":

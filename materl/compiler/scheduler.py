@@ -18,8 +18,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
