@@ -18,8 +18,10 @@ time on a shared machine). Goal: compiled / reference <= 1.02.
 Then: the compiled step's scoring and bookkeeping pieces, each timed alone beside the
 reference's one reward call and one advantage call; and the scheduler's per-node overhead, measured with a recipe of K trivial async
 ``@ml.op`` nodes (each returns its input) over E episodes, rollout stage only:
-``(rollout wall - the same K awaits per episode in bare anyio tasks) / (K x E)``.
-With ``--profile``, cProfile of the compiled step (event-loop thread) is printed too.
+``(rollout wall - the same K awaits per episode in bare anyio tasks) / (K x E)``, and the same
+in the event-loop thread's CPU time (less sensitive to other processes on a shared machine).
+With ``--profile``, cProfile of the compiled step (event-loop thread) and of the scheduler
+micro-benchmark's rollouts are printed too.
 
     OMP_NUM_THREADS=1 python benchmarks/overhead.py [--rounds 100] [--profile]
 """
@@ -205,35 +207,36 @@ def node_overhead(k: int, episodes: int, repeat: int) -> dict:
     compiled = Compiled(trivial_recipe(k), {}, CompileOptions(), rollout_only=True)
     prompts = [f"p{i}" for i in range(episodes)]
 
-    async def scheduled() -> float:
-        t0 = time.perf_counter()
-        await compiled.rollout(prompts)
-        return time.perf_counter() - t0
-
-    async def plain() -> float:
-        t0 = time.perf_counter()
-        await bare(prompts, k)
-        return time.perf_counter() - t0
+    async def timed_run(fn) -> tuple[float, float]:
+        """Wall seconds and the event-loop thread's CPU seconds (steadier on a shared machine)."""
+        c0, t0 = time.thread_time(), time.perf_counter()
+        await fn()
+        return time.perf_counter() - t0, time.thread_time() - c0
 
     sched, base = [], []
     for i in range(repeat + 3):
-        a, b = compiled.call_blocking(scheduled), compiled.call_blocking(plain)
+        a = compiled.call_blocking(timed_run, lambda: compiled.rollout(prompts))
+        b = compiled.call_blocking(timed_run, lambda: bare(prompts, k))
         if i >= 3:
             sched.append(a)
             base.append(b)
     compiled.close()
-    s, b = med(sched), med(base)
-    return {"k": k, "episodes": episodes, "sched": s, "bare": b, "per_node": (s - b) / (k * episodes),
-            "per_node_gross": s / (k * episodes)}
+    out = {"k": k, "episodes": episodes}
+    for j, key in enumerate(("", "_cpu")):
+        s, b = med([x[j] for x in sched]), med([x[j] for x in base])
+        out |= {f"sched{key}": s, f"bare{key}": b, f"per_node{key}": (s - b) / (k * episodes),
+                f"per_node_gross{key}": s / (k * episodes)}
+    return out
 
 
 def print_node_overhead(r: dict) -> None:
     print(f"\n## scheduler overhead per node per episode ({r['k']} trivial async @ml.op nodes x "
           f"{r['episodes']} episodes, rollout stage, medians)\n")
-    print("| rollout wall (materl) | same awaits in bare anyio tasks | per node per episode (net) | gross |")
-    print("|---|---|---|---|")
-    print(f"| {r['sched'] * 1e3:.2f} ms | {r['bare'] * 1e3:.2f} ms | {r['per_node'] * 1e6:.1f} us | "
-          f"{r['per_node_gross'] * 1e6:.1f} us |")
+    print("| time | rollout (materl) | same awaits in bare anyio tasks | per node per episode (net) | gross |")
+    print("|---|---|---|---|---|")
+    for key, what in (("", "wall"), ("_cpu", "event-loop thread CPU")):
+        print(f"| {what} | {r['sched' + key] * 1e3:.2f} ms | {r['bare' + key] * 1e3:.2f} ms | "
+              f"{r['per_node' + key] * 1e6:.1f} us | {r['per_node_gross' + key] * 1e6:.1f} us |")
 
 
 def grpo_node_accounting(res: dict) -> None:
@@ -336,6 +339,31 @@ def profile_compiled(steps: int, kernels: str) -> None:
     print("```")
 
 
+def profile_nodes(k: int, episodes: int, rollouts: int = 20) -> None:
+    """cProfile of the scheduler micro-benchmark's rollouts (``node_overhead``'s recipe), top 15
+    by own time: what a node costs beyond the bare awaits."""
+    compiled = Compiled(trivial_recipe(k), {}, CompileOptions(), rollout_only=True)
+    prompts = [f"p{i}" for i in range(episodes)]
+
+    async def go() -> None:
+        for _ in range(rollouts):
+            await compiled.rollout(prompts)
+
+    anyio.run(go)
+    prof = cProfile.Profile()
+    prof.enable()
+    anyio.run(go)
+    prof.disable()
+    compiled.close()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
+    print(f"\n## cProfile of {rollouts} rollouts of {k} trivial nodes x {episodes} episodes, top 15 by own time\n")
+    print("```")
+    print("\n".join(line.replace(str(ROOT) + "/", "").replace(SITE, "") for line in out.getvalue().splitlines()
+                    if line.strip()))
+    print("```")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=100)
@@ -355,6 +383,7 @@ def main() -> None:
     print_node_overhead(node_overhead(args.nodes, args.episodes, repeat=30))
     if args.profile:
         profile_compiled(30, args.kernels)
+        profile_nodes(args.nodes, args.episodes)
 
 
 if __name__ == "__main__":

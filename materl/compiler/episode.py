@@ -58,7 +58,10 @@ class Episode:
 
     def resolve(self, ref: str) -> Any:
         """``"node"``, ``"node.output"`` (a named output) or ``"node.field.field"`` (attributes)."""
-        head, *path = ref.split(".")
+        return self.lookup(*parse_ref(ref))
+
+    def lookup(self, head: str, path: Sequence[str]) -> Any:
+        """``resolve`` of a reference already split by ``parse_ref``."""
         obj = self.values[head]
         if isinstance(obj, Outputs):
             if path and path[0] in obj:
@@ -72,6 +75,12 @@ class Episode:
     def rollout(self, name: str) -> Rollout:
         """The Rollout stored by node ``name``."""
         return as_rollout(self.resolve(name))
+
+
+def parse_ref(ref: str) -> tuple[str, tuple[str, ...]]:
+    """``"node.output.field"`` as ``("node", ("output", "field"))``."""
+    head, *path = ref.split(".")
+    return head, tuple(path)
 
 
 def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequence[Any]], group_size: int, *,
@@ -183,6 +192,11 @@ def is_scalar(x: Any) -> bool:
 
 def pad_rows(rows: list[list], *, dtype=torch.float32, pad: float = 0, width: int | None = None) -> Tensor:
     width = max([len(r) for r in rows] + [width or 0])
+    if all(type(r) is list for r in rows):  # plain rows: one tensor from the padded lists
+        try:
+            return torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=dtype).reshape(len(rows), width)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # rows of tensors or mixed items: copied row by row below
     out = torch.full((len(rows), width), pad, dtype=dtype)
     for i, r in enumerate(rows):
         if len(r):

@@ -10,6 +10,7 @@ left it and is not trained on, so it is left out and counted as ``masked_episode
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 
 import torch
@@ -105,14 +106,14 @@ def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[
         rollout = rollout_of(ep)
         if name is None or rollout is None or name not in ep.values:
             continue
-        adv = torch.as_tensor(ep.resolve(name), dtype=torch.float64).flatten()
+        adv = torch.as_tensor(ep.resolve(name), dtype=torch.float64).flatten().tolist()  # one copy, no per-turn ops
         means, pos = [], 0
         for step in rollout.steps:
             n = len(step.token_ids)
-            if step.trainable and n and pos + n <= adv.numel():
-                means.append(float(adv[pos:pos + n].mean()))
+            if step.trainable and n and pos + n <= len(adv):
+                means.append(math.fsum(adv[pos:pos + n]) / n)
             pos += n
-        if adv.numel() == 1 or not means:
+        if len(adv) == 1 or not means:
             continue
         for k, v in enumerate(means[:max_turns], start=1):
             per_turn.setdefault(f"turn_{k}", []).append(v)

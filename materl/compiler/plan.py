@@ -44,9 +44,17 @@ class Plan:
     notes: dict[str, str] = field(default_factory=dict)  # node -> why a Mojo implementation is not used
 
     def impl(self, name: str):
-        """The ``Impl`` chosen for node ``name``."""
-        spec = spec_of(self.nodes[name])
-        return next(i for i in spec.impls if i.name == self.impls[name])
+        """The ``Impl`` chosen for node ``name`` (looked up once per plan and process)."""
+        cache = self.__dict__.setdefault("_impl_cache", {})
+        found = cache.get(name)
+        if found is None:
+            spec = spec_of(self.nodes[name])
+            found = cache[name] = next(i for i in spec.impls if i.name == self.impls[name])
+        return found
+
+    def __getstate__(self) -> dict:
+        """Pickled without the implementation cache (a worker looks them up in its own op table)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_impl_cache"}
 
     def role(self, name: str) -> Role:
         return spec_of(self.nodes[name]).role

@@ -15,20 +15,23 @@ own episode, as with per-episode calls.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
 from materl.compiler.context import Run
-from materl.compiler.episode import Episode, make_episodes, split, to_tensor
+from materl.compiler.episode import Episode, make_episodes, parse_ref, split, to_tensor
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
 from materl.compiler.services import Services, close
 from materl.compiler.spec import Role, spec_of
 from materl.engines.arrivals import settle
 from materl.errors import OpOutputError, StepTimeoutError
+from materl.graph.node import Node
 from materl.rollout.episode import EpisodeState, StepResult
 from materl.rollout.types import Rollout
 
@@ -129,20 +132,39 @@ async def _alone(run: Run, name: str, ep: Episode) -> tuple[bool, Any]:
         return False, exc
 
 
-async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -> None:
-    plan = run.plan
+@dataclass(frozen=True)
+class EpisodeNode:
+    """One episode node as ``run_episode`` runs it, looked up once per rollout stage (not per
+    node per episode): its implementation, its episode inputs parsed, its tick batcher if any."""
+    name: str
+    node: Node
+    call: Callable | None  # the implementation's per-episode call, None: a batch of one
+    refs: tuple[tuple[str, tuple[str, ...]], ...]  # (node, path) of each input read from the episode
+    batcher: TickBatcher | None
+
+
+def episode_nodes(run: Run, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
+    """The plan's episode nodes ready to run: row-local nodes with a batch call share one per tick."""
+    out = []
+    for name in run.plan.episode:
+        node, impl = run.plan.nodes[name], run.plan.impl(name)
+        batched = spec_of(node).locality_of(node) == "row" and impl.batch is not None
+        refs = tuple(parse_ref(ref) for ref in node.inputs if not ref.startswith("@"))
+        out.append(EpisodeNode(name, node, impl.episode, refs, TickBatcher(run, name, tg) if batched else None))
+    return out
+
+
+async def run_episode(run: Run, ep: Episode, nodes: Sequence[EpisodeNode]) -> None:
     name = "(start)"
     try:
         with anyio.fail_after(run.options.episode_timeout_s):
-            for name in plan.episode:
-                node = plan.nodes[name]
-                impl = plan.impl(name)
+            for en in nodes:
+                name = en.name
                 t0 = time.perf_counter()
-                if name in batchers:
-                    value = await batchers[name].submit(ep)
-                elif impl.episode is not None:
-                    args = [ep.resolve(ref) for ref in node.inputs if not ref.startswith("@")]
-                    value = await impl.episode(run, node, ep, *args)
+                if en.batcher is not None:
+                    value = await en.batcher.submit(ep)
+                elif en.call is not None:
+                    value = await en.call(run, en.node, ep, *[ep.lookup(head, path) for head, path in en.refs])
                 else:
                     value = (await call_batch(run, name, [ep]))[0]
                 ep.timings[name] = time.perf_counter() - t0
@@ -157,9 +179,10 @@ async def run_episode(run: Run, ep: Episode, batchers: dict[str, TickBatcher]) -
         if kind is None or run.options.infra_failures != "mask":
             ep.error = Failure.of(name, e)
     finally:
-        with anyio.CancelScope(shield=True):
-            for service in run.services.all:  # per-episode tool and endpoint state ends with the episode
-                await service.end_episode(ep.uid)
+        if run.services.all:
+            with anyio.CancelScope(shield=True):
+                for service in run.services.all:  # per-episode tool and endpoint state ends with the episode
+                    await service.end_episode(ep.uid)
 
 
 async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Sequence[int] | None = None,
@@ -191,17 +214,16 @@ async def rollout_stage(run: Run, episodes: list[Episode], *,
     for ep in episodes:
         groups.setdefault(ep.group, []).append(ep)
     remaining = {g: len(members) for g, members in groups.items()}
-    limit = anyio.Semaphore(run.options.max_concurrent_episodes)
+    cap = run.options.max_concurrent_episodes  # no semaphore (two loop passes per episode) when all fit
+    limit = anyio.Semaphore(cap) if len(episodes) > cap else contextlib.nullcontext()
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
-        batchers = {name: TickBatcher(run, name, tg) for name in plan.episode
-                    if spec_of(plan.nodes[name]).locality_of(plan.nodes[name]) == "row"
-                    and plan.impl(name).batch is not None}
+        nodes = episode_nodes(run, tg)
         firer = GroupFirer(run, tg)
 
         async def one(ep: Episode) -> None:
             async with limit:
-                await run_episode(run, ep, batchers)
+                await run_episode(run, ep, nodes)
             mark_infra_failure(ep, run.options.infra_failures)
             if on_episode is not None:
                 on_episode(ep)

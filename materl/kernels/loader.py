@@ -178,6 +178,7 @@ def reset() -> None:
         _by_path.clear()
         _warned.clear()
         _files.clear()
+        _imports.clear()
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -226,6 +227,7 @@ _by_hash: dict[str, Kernel] = {}  # source hash -> loaded kernel
 _failed: dict[str, str] = {}  # source hash -> why its build failed
 _by_path: dict[Path, tuple[tuple, Kernel]] = {}  # source file -> (stat keys of it and its packages, kernel)
 _files: dict[Path, tuple[tuple[int, int], str]] = {}  # source path -> (stat key, text)
+_imports: dict[Path, tuple[tuple[int, int], list[Path]]] = {}  # source path -> (its stat key, package files)
 _warned: set[str] = set()
 
 
@@ -346,14 +348,18 @@ def read_source(path: Path) -> str:
 
 def compile_file(path: str | os.PathLike) -> Kernel:
     """Build and load one .mojo file and the sibling packages it imports (raises KernelError on
-    a missing file or build error)."""
+    a missing file or build error). A call on unchanged files costs one stat per file: the
+    packages a source imports are found again only when the source itself changed."""
     path = Path(path)
-    source = read_source(path)
-    key = (_stat_key(path), *(_stat_key(f) for f in imported_packages(source, path.parent)))
+    own = _stat_key(path)
+    found = _imports.get(path)
+    if found is None or found[0] != own:
+        found = _imports[path] = (own, imported_packages(read_source(path), path.parent))
+    key = (own, *(_stat_key(f) for f in found[1]))
     hit = _by_path.get(path)
     if hit is not None and hit[0] == key:  # unchanged files: skip re-reading and hashing
         return hit[1]
-    kernel = compile_source(path.stem, source, origin=path, include=path.parent)
+    kernel = compile_source(path.stem, read_source(path), origin=path, include=path.parent)
     _by_path[path] = (key, kernel)
     return kernel
 

@@ -14,8 +14,10 @@ from materl.rollout.episode import StepResult
 from materl.rollout.types import Rollout
 
 
-def _args(node: Node, inputs: list) -> dict[str, Any]:
-    return {**node.params["_consts"], **dict(zip(node.params["_args"], inputs))}
+def _args(node: Node, inputs: list | tuple) -> dict[str, Any]:
+    args = dict(zip(node.params["_args"], inputs))
+    consts = node.params["_consts"]
+    return {**consts, **args} if consts else args
 
 
 def _name(node: Node) -> str:
@@ -23,7 +25,7 @@ def _name(node: Node) -> str:
 
 
 async def call_episode(run: Run, node: Node, ep: Episode, *inputs):
-    out = node.params["fn"](**_args(node, list(inputs)))
+    out = node.params["fn"](**_args(node, inputs))
     if hasattr(out, "__await__"):
         out = await out
     return _check_outputs(node, out)
