@@ -36,7 +36,7 @@ import anyio
 import materl as ml
 from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ToolCall, ToolResult
 
 JUDGE = Path(__file__).resolve().parent / "_servers" / "slow_judge.py"
@@ -47,13 +47,13 @@ CALC = {"type": "function", "function": {
 
 
 @ml.op
-async def answer_with_tool(step) -> {"step": StepResult, "results": list}:
+async def answer_with_tool(step) -> {"step": TurnResult, "results": list}:
     """Turn 1 as if it had called the calculator, and the tool's answer."""
     state = step.history
     last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall("calculate", {"expression": "2+3"}, id="c0")],
                                finish_reason="tool_call")
     state = dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False)
-    return {"step": StepResult(state, last), "results": [ToolResult("calculate", "5", call_id="c0")]}
+    return {"step": TurnResult(state, last), "results": [ToolResult("calculate", "5", call_id="c0")]}
 
 
 @ml.recipe

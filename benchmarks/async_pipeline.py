@@ -32,7 +32,7 @@ import anyio
 
 import materl as ml
 from materl.distributed.cost_model import Stages, expected_max_lognormal, step_time
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ToolCall
 from materl.runtime.tasks import arithmetic_rows
 from materl.runtime.train import train
@@ -56,11 +56,11 @@ def even_tokens(*, completion_ids, **_) -> list[float]:
 
 def slow_tool_recipe(toolbox, median: float):
     @ml.op
-    async def call_slow_tool(step) -> {"step": StepResult}:
+    async def call_slow_tool(step) -> {"step": TurnResult}:
         state = step.history
         call = ToolCall("sleep_echo", {"text": "done", "seconds": latency(step.token_ids, median)}, id="call_0")
         last = dataclasses.replace(state.steps[-1], tool_calls=[call], finish_reason="tool_call")
-        return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+        return {"step": TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
 
     @ml.recipe
     def slow_tool_grpo(policy, prompts):

@@ -70,13 +70,13 @@ def recipe(kl: bool = True):
 def run_learner(agents: dict, eps, options: dict, *, kl: bool = True) -> tuple[float, dict]:
     """Seconds of one learner step (prepare + update + optimizer step) over ``eps`` and its metrics."""
     from materl.compiler.compiled import Compiled
-    from materl.compiler.context import Run
+    from materl.compiler.context import StageEnv
     from materl.compiler.learner import Learner
     from materl.compiler.options import CompileOptions
 
     compiled = Compiled(recipe(kl), agents, CompileOptions(**options))
     try:
-        learner = Learner(Run(compiled.context(), agents), eps, compiled.optimizer_set)
+        learner = Learner(StageEnv(compiled.context(), agents), eps, compiled.optimizer_set)
         t0 = time.perf_counter()
         compiled.call_blocking(learner.prepare)
         metrics = learner.run_updates()

@@ -43,7 +43,7 @@ import torch
 
 import materl as ml
 from materl.compiler.compiled import Compiled
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.options import CompileOptions
 from materl.compiler.scheduler import call_batch
 from materl.ops.advantages import ADVANTAGES
@@ -279,7 +279,7 @@ def attribute(runner: CompiledGRPO) -> None:
     batch, one advantage call); the rest of a step is the same model work on both sides."""
     st = runner.step_fn
     eps = st.call_blocking(st.rollout, PROMPTS)
-    run = Run(st.context(), st.agents)
+    run = StageEnv(st.context(), st.agents)
     reward = Reward.from_spec("length", 0.1) + Reward.from_spec("diversity", 0.9)
     rollouts = [st.episode_rollout(e) for e in eps]
     texts, ids = [r.text for r in rollouts], [r.completion_ids for r in rollouts]

@@ -33,9 +33,9 @@ import torch
 
 import materl as ml
 from materl.compiler.compiled import Compiled
-from materl.compiler.context import Run, sampling
+from materl.compiler.context import StageEnv, sampling
 from materl.compiler.options import CompileOptions
-from materl.rollout.episode import EpisodeState, generate_step
+from materl.rollout.multiturn import EpisodeState, generate_step
 from materl.rollout.tool_formats import stop_strings
 from materl.rollout.types import ToolCall
 
@@ -83,7 +83,7 @@ async def run_sequential(compiled: Compiled, episodes: list, toolbox, *, tool_ca
     """One episode after another, each turn: generate, then await the tool (a plain for-loop)."""
     agent = compiled.agents["policy"]
     node = compiled.plan.nodes["turn_1"]
-    run = Run(compiled.context(), compiled.agents)
+    run = StageEnv(compiled.context(), compiled.agents)
     t0 = time.perf_counter()
     for ep in episodes:
         state = EpisodeState.start(agent.tokenizer, ep.prompt)
@@ -129,7 +129,7 @@ async def measure_bound(compiled: Compiled, episodes: list, *, tool_calls: int) 
                     gen_seen += 1
                 ids += s.token_ids
             contexts.append(ids)
-        params = [with_parser_stops(sampling(Run(compiled.context(), compiled.agents), node, ep.seed, turn)) for ep in episodes]
+        params = [with_parser_stops(sampling(StageEnv(compiled.context(), compiled.agents), node, ep.seed, turn)) for ep in episodes]
         turns.append(await batched_generation(agent.engine, contexts, params))
     return turns
 

@@ -19,7 +19,7 @@ from materl.ops.kl import kl_penalty
 from materl.ops.logprobs import token_logprobs
 from materl.ops.losses import POLICY_LOSSES
 from materl.ops.rewards import Reward
-from materl.rollout.episode import EpisodeState
+from materl.rollout.multiturn import EpisodeState
 
 
 def pad(rows: list[list], value=0, dtype=torch.long) -> torch.Tensor:

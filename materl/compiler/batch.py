@@ -45,7 +45,7 @@ from materl.compiler.episode import Episode, as_rollout, collate, to_tensor
 from materl.compiler.sequences import MIN_BUCKET, SeqBatch, bucket  # noqa: F401 (bucket: re-exported)
 from materl.compiler.spec import Kind
 from materl.errors import CompileError
-from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.multiturn import EpisodeState, TurnResult
 from materl.rollout.types import Rollout
 
 
@@ -104,7 +104,7 @@ class RowMap:
         """Row ``row``'s part of its episode's ``value``: a Rollout's segment, a per-token value's
         slice (``kind`` TOKENS, a per-token SCORE, or an unknown kind's 1-D numbers as long as the
         episode's tokens), anything else (a number per episode, a prompt) as it is."""
-        if kind is Kind.ROLLOUT or isinstance(value, (Rollout, StepResult, EpisodeState)):
+        if kind is Kind.ROLLOUT or isinstance(value, (Rollout, TurnResult, EpisodeState)):
             return as_rollout(value).segments[self.segment[row]]
         if kind in (Kind.ROW, Kind.FLAG) or not _numbers(value):
             return value

@@ -8,7 +8,7 @@
 rollout stage (``scheduler.rollout_stage``), the failure policy, the learner (``Learner``, which
 steps the ``Optimizers`` it is handed, on the step's ``update.LearnerBackend``), the reference policies (``references``) and the engines'
 weight sync; rollout metrics are ``metrics.rollout_metrics``. The stages themselves see only a
-``Run`` (the context, this process's agents and services), never this object. The recipe's nodes
+``StageEnv`` (the context, this process's agents and services), never this object. The recipe's nodes
 hold service specs; the step builds the live services once (``services.Services``: judges,
 agent endpoints, the recipe's toolboxes), starts them with its first rollout and closes them in
 ``close()``.
@@ -26,7 +26,7 @@ import torch
 from materl import compute
 from materl.agent import Agent
 from materl.compiler import graphs
-from materl.compiler.context import AgentSpec, Mode, Run, StepContext
+from materl.compiler.context import AgentSpec, Mode, StageEnv, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.loop import LoopThread
@@ -173,7 +173,7 @@ class Compiled:
         services = await self.start_services()
         ctx = self.context("eval" if greedy else "train")
         episodes = make_episodes(ctx, prompts, columns, group_size or self.options.group_size)
-        self.timings["stage/rollout"] = await rollout_stage(Run(ctx, self.agents, services), episodes,
+        self.timings["stage/rollout"] = await rollout_stage(StageEnv(ctx, self.agents, services), episodes,
                                                             on_episode=on_episode)
         return episodes
 

@@ -2,13 +2,13 @@
 
 ``StepContext`` is frozen and picklable: the plan (nodes, order, stages, the implementation of
 each node), the compile options, a description of each agent, the step number and the mode.
-``Run`` pairs it with what one process holds: its agents (models, tokenizers, engines) and the
+``StageEnv`` pairs it with what one process holds: its agents (models, tokenizers, engines) and the
 live services it built from the plan's specs and started (``materl.compiler.services``: tool
-servers, agent endpoints, judges). The rollout stage runs from a ``Run`` alone, so a worker
+servers, agent endpoints, judges). The rollout stage runs from a ``StageEnv`` alone, so a worker
 process that builds its own engine and services can run episodes from a context it was sent.
 
     ctx = StepContext(plan, options, agents={"policy": AgentSpec.of(policy)}, step=3)
-    await rollout_stage(Run(ctx, {"policy": policy}), episodes)       # a plan without services
+    await rollout_stage(StageEnv(ctx, {"policy": policy}), episodes)       # a plan without services
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class StepContext:
 
 
 @dataclass(frozen=True)
-class Run:
+class StageEnv:
     """A step context plus this process's agents and started services (never pickled)."""
     ctx: StepContext
     agents: Mapping[str, Any]
@@ -93,13 +93,13 @@ class Run:
         """The live service built from ``node.params[param]`` (``OpSpec.services``)."""
         service = self.services.get(node.name, param)
         if service is None:
-            raise UnknownNameError(f"node {node.name!r} ({node.op}) has no live {param!r} service in this Run; the "
+            raise UnknownNameError(f"node {node.name!r} ({node.op}) has no live {param!r} service in this StageEnv; the "
                                    f"compiled step and rollout_from_context build them from the plan "
-                                   f"(Run(ctx, agents, Services.build(plan)), started)")
+                                   f"(StageEnv(ctx, agents, Services.build(plan)), started)")
         return service
 
 
-def sampling(run: Run, node: Node, seed: int, turn: int = 0) -> SamplingParams:
+def sampling(run: StageEnv, node: Node, seed: int, turn: int = 0) -> SamplingParams:
     """The sampling parameters of ``node`` for an episode's ``turn``: the node's own, else the
     compile options'; greedy in evaluation; a seed per (episode, turn)."""
     o, p = run.options, node.params

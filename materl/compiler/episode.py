@@ -19,7 +19,7 @@ from torch import Tensor
 
 from materl.compiler.spec import Kind, Role
 from materl.errors import CompileError, ShapeError
-from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.multiturn import EpisodeState, TurnResult
 from materl.rollout.types import Rollout
 
 
@@ -129,7 +129,7 @@ def make_episodes(ctx, prompts: Sequence[Any] | None, columns: dict[str, Sequenc
 def as_rollout(x: Any) -> Rollout:
     if isinstance(x, Rollout):
         return x
-    if isinstance(x, (StepResult, EpisodeState)):
+    if isinstance(x, (TurnResult, EpisodeState)):
         return x.rollout
     raise CompileError(f"expected a rollout (from generate, generate_step, structure_rollout or env_rollout), "
                        f"got {type(x).__name__}")
@@ -158,7 +158,7 @@ def collate(items: list[Any], kind: Kind | None = None) -> Any:
         return items
     if all(isinstance(x, (int, float, bool)) or (isinstance(x, Tensor) and x.dim() == 0) for x in items):
         return torch.tensor([float(x) for x in items], dtype=torch.float32)
-    if all(isinstance(x, (Rollout, StepResult, EpisodeState)) for x in items):
+    if all(isinstance(x, (Rollout, TurnResult, EpisodeState)) for x in items):
         return RolloutBatch(as_rollout(x) for x in items)
     if all(isinstance(x, Tensor) and x.dim() == 1 for x in items):
         return pad_rows([x.tolist() for x in items], dtype=items[0].dtype)

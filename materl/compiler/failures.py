@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from materl.errors import OpOutputError, StepFailedError
-from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.multiturn import EpisodeState, TurnResult
 from materl.rollout.types import Rollout, ToolResult
 
 log = logging.getLogger("materl")
@@ -172,7 +172,7 @@ def tool_results(episode: Any) -> list[ToolResult]:
     for value in episode.values.values():
         values = value.values() if isinstance(value, dict) else [value]
         for v in values:
-            if isinstance(v, (StepResult, EpisodeState)):
+            if isinstance(v, (TurnResult, EpisodeState)):
                 v = v.rollout
             if isinstance(v, Rollout):
                 for r in v.tool_results:

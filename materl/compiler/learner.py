@@ -36,7 +36,7 @@ from torch import Tensor
 from materl import compute
 from materl.compiler import graphs
 from materl.compiler.batch import LearnerBatch, RowMap
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout
 from materl.compiler.packing import MicroBatching
 from materl.compiler.scheduler import call_batch
@@ -109,7 +109,7 @@ class WholeBatch:
 class Learner:
     """One batch of episodes through prepare and the update loop."""
 
-    def __init__(self, run: Run, episodes: list[Episode], optimizers: OptimizerStep, *,
+    def __init__(self, run: StageEnv, episodes: list[Episode], optimizers: OptimizerStep, *,
                  partition: Partition | None = None):
         self.run, self.episodes, self.plan = run, episodes, run.plan
         self.optimizers = optimizers

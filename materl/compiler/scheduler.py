@@ -24,7 +24,7 @@ from typing import Any
 
 import anyio
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, make_episodes, parse_ref, split, to_tensor
 from materl.compiler.failures import Failure, drop_shrunk_group, mark_infra_failure, mark_outage, outage_kind
 from materl.compiler.services import Services, close
@@ -32,11 +32,11 @@ from materl.compiler.spec import Role, spec_of
 from materl.engines.arrivals import settle
 from materl.errors import OpOutputError, StepTimeoutError
 from materl.graph.node import Node
-from materl.rollout.episode import EpisodeState, StepResult
+from materl.rollout.multiturn import EpisodeState, TurnResult
 from materl.rollout.types import Rollout
 
 
-async def call_batch(run: Run, name: str, eps: list[Episode]) -> list[Any]:
+async def call_batch(run: StageEnv, name: str, eps: list[Episode]) -> list[Any]:
     """Run group/batch node ``name`` over ``eps``; one validated value per episode. When a
     built-in node fails on a value a custom op returned, the op is blamed (``blame_op_output``)."""
     node = run.plan.nodes[name]
@@ -76,7 +76,7 @@ def blame_op_output(plan, node, refs: list[str], inputs: list[list], exc: BaseEx
 
 def _not_numbers_or_rollout(value: Any) -> str | None:
     """None for a rollout, a number or a flat row of numbers; else a description of ``value``."""
-    if isinstance(value, (Rollout, StepResult, EpisodeState)):
+    if isinstance(value, (Rollout, TurnResult, EpisodeState)):
         return None
     try:
         t = to_tensor([value])
@@ -96,7 +96,7 @@ def _label(node) -> str:
 class TickBatcher:
     """Episodes reaching one row-local node in the same tick share one batch call."""
 
-    def __init__(self, run: Run, name: str, tg: anyio.abc.TaskGroup):
+    def __init__(self, run: StageEnv, name: str, tg: anyio.abc.TaskGroup):
         self.run, self.name, self.tg = run, name, tg
         self.pending: list[tuple[Episode, anyio.Event, list]] = []
 
@@ -125,7 +125,7 @@ class TickBatcher:
             done.set()
 
 
-async def _alone(run: Run, name: str, ep: Episode) -> tuple[bool, Any]:
+async def _alone(run: StageEnv, name: str, ep: Episode) -> tuple[bool, Any]:
     try:
         return True, (await call_batch(run, name, [ep]))[0]
     except Exception as exc:  # noqa: BLE001 - delivered to the episode's task
@@ -143,7 +143,7 @@ class EpisodeNode:
     batcher: TickBatcher | None
 
 
-def episode_nodes(run: Run, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
+def episode_nodes(run: StageEnv, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
     """The plan's episode nodes ready to run: row-local nodes with a batch call share one per tick."""
     out = []
     for name in run.plan.episode:
@@ -154,7 +154,7 @@ def episode_nodes(run: Run, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
     return out
 
 
-async def run_episode(run: Run, ep: Episode, nodes: Sequence[EpisodeNode]) -> None:
+async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode]) -> None:
     name = "(start)"
     try:
         with anyio.fail_after(run.options.episode_timeout_s):
@@ -198,7 +198,7 @@ async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Se
     started = await services.start() if own else []
     try:
         episodes = make_episodes(ctx, prompts, columns or {}, ctx.options.group_size, groups=groups)
-        await rollout_stage(Run(ctx, agents, services), episodes, on_episode=on_episode)
+        await rollout_stage(StageEnv(ctx, agents, services), episodes, on_episode=on_episode)
     finally:
         if own:
             with anyio.CancelScope(shield=True):
@@ -206,7 +206,7 @@ async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Se
     return episodes
 
 
-async def rollout_stage(run: Run, episodes: list[Episode], *,
+async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
                         on_episode: Callable[[Episode], None] | None = None) -> float:
     """Run every episode and its groups' group nodes; returns the stage's wall time."""
     plan = run.plan
@@ -242,7 +242,7 @@ class GroupFirer:
     """Finished groups run the plan's group nodes; those that finish in the same tick share one
     call per group-local node (locality "group"), other group nodes get one call per group."""
 
-    def __init__(self, run: Run, tg: anyio.abc.TaskGroup):
+    def __init__(self, run: StageEnv, tg: anyio.abc.TaskGroup):
         self.run, self.tg = run, tg
         self.pending: list[list[Episode]] = []
 
@@ -268,7 +268,7 @@ class GroupFirer:
                 await _fire(self.run, name, g, record=True)
 
 
-async def _fire(run: Run, name: str, members: Sequence[Episode], *, record: bool = False) -> bool:
+async def _fire(run: StageEnv, name: str, members: Sequence[Episode], *, record: bool = False) -> bool:
     """Run group node ``name`` over ``members``; store its values. On failure: with ``record``,
     every member fails with it; else nothing is stored and False is returned (the caller retries
     per group)."""

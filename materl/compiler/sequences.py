@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from materl.compiler.episode import as_rollout, pad_rows
-from materl.rollout.episode import EpisodeState, encode
+from materl.rollout.multiturn import EpisodeState, encode
 
 
 MIN_BUCKET = 16

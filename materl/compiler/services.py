@@ -8,10 +8,10 @@ rollout worker shares it); a Ray rollout worker builds its own from the pickled 
 
     services = Services.build(plan)            # live objects, nothing started
     started = await services.start()           # those not running; the caller closes these
-    await rollout_stage(Run(ctx, agents, services), episodes)
+    await rollout_stage(StageEnv(ctx, agents, services), episodes)
     await close(started)
 
-Implementations read their service from ``Run.service(node, param)``, never from the node.
+Implementations read their service from ``StageEnv.service(node, param)``, never from the node.
 A ``Toolbox`` is its own spec, so every ``Services`` of a process shares the recipe's toolbox;
 an endpoint or a judge is built afresh by each (two steps compiled from one recipe have two).
 """

@@ -45,7 +45,7 @@ class Role(enum.Enum):
 class Kind(enum.Enum):
     """What one episode's value of an output is."""
 
-    ROLLOUT = "rollout"  # a Rollout (or an EpisodeState / StepResult holding one)
+    ROLLOUT = "rollout"  # a Rollout (or an EpisodeState / TurnResult holding one)
     ROW = "row"  # one number per episode
     TOKENS = "tokens"  # one number per completion token: a 1-D tensor as long as the completion
     SCORE = "score"  # ROW or TOKENS (rewards: token-level when any term is)
@@ -103,7 +103,7 @@ class OpSpec:
     may_call_tools: Callable[[Node], bool] = lambda node: False  # its episodes may call tools (tool metrics)
     teacher_input: int | None = None  # the input holding a teacher's log-probs (that agent never follows the policy)
     # the params that may hold a service's spec (materl.rollout.services.ServiceSpec): the compiled step
-    # builds the live service from it, starts it and closes it; the implementations read it from Run.service
+    # builds the live service from it, starts it and closes it; the implementations read it from StageEnv.service
     services: tuple[str, ...] = ()
     doc: str = ""
 

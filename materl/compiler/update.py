@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from materl import compute
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
 from materl.compiler.metrics import advantage_turn_metrics
@@ -58,7 +58,7 @@ class InProcessLearner:
         if not self.states_made:
             await compute.acall(compiled.optimizer_set.init_state)
             self.states_made = True
-        learner = Learner(Run(compiled.context(), compiled.agents), episodes, compiled.optimizer_set)
+        learner = Learner(StageEnv(compiled.context(), compiled.agents), episodes, compiled.optimizer_set)
         t0 = time.perf_counter()
         await learner.prepare()
         timings = {"stage/prepare": time.perf_counter() - t0}

@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from materl import compute
-from materl.compiler.context import Run, StepContext
+from materl.compiler.context import StageEnv, StepContext
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
 from materl.compiler.metrics import advantage_turn_metrics, episode_rollout
@@ -79,7 +79,7 @@ OPTIMIZER_OPTIONS = ("lr", "optimizer", "value_lr", "weight_decay", "betas", "ma
                      "reference_options")
 
 
-class StepResult:
+class RankUpdate:
     """What one learner step returns on a rank: the new version, the metrics (the same on every
     rank: sums over ranks) and, on rank 0, the new weights."""
 
@@ -87,7 +87,7 @@ class StepResult:
         self.version, self.metrics, self.weights = version, metrics, weights
 
     def __repr__(self) -> str:
-        return f"StepResult(version={self.version}, loss={self.metrics.get('loss')}, weights={self.weights is not None})"
+        return f"RankUpdate(version={self.version}, loss={self.metrics.get('loss')}, weights={self.weights is not None})"
 
 
 class _Trainable(nn.Module):
@@ -216,7 +216,7 @@ class DistributedLearner:
 
     # -- one step --
     def step(self, episodes: list[Episode], ctx: StepContext,
-             lrs: Mapping[str, list[float]] | None = None) -> StepResult:
+             lrs: Mapping[str, list[float]] | None = None) -> RankUpdate:
         """Learn on ``episodes`` (the whole batch, the same on every rank) as step ``ctx`` says;
         every rank calls this. ``lrs``: each optimizer's learning rate per parameter group for
         this step (an LR schedule run by the driver). Returns the new version; rank 0's result
@@ -228,7 +228,7 @@ class DistributedLearner:
         options = ctx.options
         if self.strategy == "fsdp2" and options.share_prompts:
             options = options.model_copy(update={"share_prompts": False})  # see the module docstring
-        run = Run(ctx.next(step=self.version, options=options), self.agents)
+        run = StageEnv(ctx.next(step=self.version, options=options), self.agents)
         learner = Learner(run, [e for e in episodes if e.ok], self.optimizer_set, partition=self.partition)
         t0 = time.perf_counter()
         with compute.serving():  # this thread runs the learner's torch work
@@ -242,7 +242,7 @@ class DistributedLearner:
         self.update_references(metrics.get("policy_loss/kl", metrics.get("kl")))
         metrics.update({"time/prepare": t1 - t0, "time/learner": t2 - t1, "time/gather": time.perf_counter() - t2,
                         "ranks": float(self.world_size), "version": float(self.version)})
-        return StepResult(self.version, metrics, Weights(self.version, weights) if self.rank == 0 else None)
+        return RankUpdate(self.version, metrics, Weights(self.version, weights) if self.rank == 0 else None)
 
     def skip(self) -> int:
         """Count a step that made no update (tool infrastructure failures left it nothing to learn

@@ -2,7 +2,7 @@
 group and learn together; the driver sends each step's batch once, through the object store.
 
     group = LearnerGroup(2, ctx.options, agents=ctx.agents, strategy="fsdp2")   # ray_address=... for a cluster
-    result = group.step(episodes, ctx)               # rank 0's StepResult: version, metrics, weights
+    result = group.step(episodes, ctx)               # rank 0's RankUpdate: version, metrics, weights
     result.weights.load_into(rollout_agents)         # publish (the weights came through the object store)
     state = group.state()                            # for save_checkpoint (see StateHolder)
     group.shutdown()
@@ -37,7 +37,7 @@ from materl.compiler.context import AgentSpec, StepContext
 from materl.compiler.episode import Episode
 from materl.compiler.options import CompileOptions
 from materl.distributed.errors import ExtraNotInstalledError, LearnerGroupClosedError, LearnerRankError
-from materl.distributed.learner import STRATEGIES, DistributedLearner, StepResult
+from materl.distributed.learner import STRATEGIES, DistributedLearner, RankUpdate
 from materl.distributed.state import LearnerState
 from materl.distributed.torchrun import free_port, init_process_group
 from materl.errors import ConfigError
@@ -81,7 +81,7 @@ class _Rank:
         self.learner = DistributedLearner(built, options, strategy=strategy, device=device)
         return os.getpid()
 
-    def step(self, episodes: list[Episode], ctx: StepContext, lrs: Mapping[str, list[float]] | None = None) -> StepResult:
+    def step(self, episodes: list[Episode], ctx: StepContext, lrs: Mapping[str, list[float]] | None = None) -> RankUpdate:
         return self.learner.step(episodes, ctx, lrs)
 
     def skip(self) -> int:
@@ -121,8 +121,8 @@ class LearnerGroup:
                                                           num_gpus > 0, timeout_s))
 
     def step(self, episodes: list[Episode], ctx: StepContext,
-             lrs: Mapping[str, list[float]] | None = None) -> StepResult:
-        """One learner step on every rank; rank 0's ``StepResult`` (with the new weights).
+             lrs: Mapping[str, list[float]] | None = None) -> RankUpdate:
+        """One learner step on every rank; rank 0's ``RankUpdate`` (with the new weights).
         ``lrs``: the optimizers' learning rates for this step (``DistributedLearner.step``)."""
         ray = require_ray()
         eps, context = ray.put(episodes), ray.put(ctx)  # stored once; each actor reads them

@@ -48,7 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from materl.compiler.context import StepContext
 from materl.compiler.episode import Episode
-from materl.distributed.learner import STRATEGIES, DistributedLearner, StepResult
+from materl.distributed.learner import STRATEGIES, DistributedLearner, RankUpdate
 from materl.distributed.state import Weights
 from materl.errors import ConfigError
 
@@ -183,7 +183,7 @@ def load_batch(path: str | os.PathLike) -> tuple[list[Episode], StepContext]:
     return episodes, ctx
 
 
-def publish_to_disk(out: str | os.PathLike, result: StepResult) -> Path:
+def publish_to_disk(out: str | os.PathLike, result: RankUpdate) -> Path:
     """Rank 0: ``OUT/v<version>/<agent>.safetensors`` + ``metrics.json``, renamed into place."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

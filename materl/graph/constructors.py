@@ -66,7 +66,7 @@ def generate_step(agent, history, tool_responses=None, *, name: str | None = Non
     """Continue an episode: append ``tool_responses`` to ``history`` (the prompts for the first
     turn, else a previous step's ``.history``) and generate until end of turn (with
     ``parallel_tool_calls=False``: or the end of the first tool call; see
-    ``materl.rollout.episode.model_turn``). ``parser``: the tool-call format (``"auto"``: the one
+    ``materl.rollout.multiturn.model_turn``). ``parser``: the tool-call format (``"auto"``: the one
     the model's chat template declares; see ``materl.rollout.parsers``). The result has
     ``.tool_requests`` (every call of the turn, in order), ``.history``, ``.text``, ``.token_ids``,
     ``.logprobs``."""

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from materl.errors import EpisodeError
-from materl.rollout.episode import EpisodeState, StepResult, append_turn
+from materl.rollout.multiturn import EpisodeState, TurnResult, append_turn
 from materl.rollout.types import Rollout, ToolResult, join_segments
 
 
@@ -97,7 +97,7 @@ def chat_message(message: dict) -> dict:
 class Turn:
     """A sampled answer not yet recorded (``AgentTrace.answer``)."""
 
-    result: StepResult
+    result: TurnResult
     step: Any
     message: dict
     reply: dict
@@ -141,7 +141,7 @@ class AgentTrace:
         return [ToolResult(name=m.get("name") or calls.get(m.get("tool_call_id", ""), "tool"), content=m["content"],
                            call_id=m.get("tool_call_id", "")) for m in new if m["role"] == "tool"]
 
-    def answer(self, result: StepResult, messages: list[dict]) -> Turn:
+    def answer(self, result: TurnResult, messages: list[dict]) -> Turn:
         """A sampled turn (ids, log-probs, parsed calls) answering ``messages``, with the OpenAI
         assistant message to send (``Turn.reply``); calls without an id get ``call_<request>_<i>``.
         Nothing is recorded until ``keep`` (the endpoint keeps a turn once it was delivered)."""
@@ -171,7 +171,7 @@ class AgentTrace:
         self.log.append((turn.messages, turn.reply))
         self.requests += 1
 
-    def record(self, result: StepResult, messages: list[dict]) -> dict:
+    def record(self, result: TurnResult, messages: list[dict]) -> dict:
         """``answer`` and ``keep`` at once; returns the assistant message."""
         turn = self.answer(result, messages)
         self.keep(turn)

@@ -59,7 +59,7 @@ from materl.errors import EpisodeError, MaterlError
 from materl.rollout import endpoint_http as http
 from materl.rollout.agent_trace import AgentTrace, Turn
 from materl.rollout.endpoint_schema import BadRequest, ChatRequest, ResponsesRequest, parse, responses_to_chat
-from materl.rollout.episode import model_turn
+from materl.rollout.multiturn import model_turn
 from materl.rollout.http_pools import Pools
 from materl.rollout.loop_watch import BLOCKED_AFTER_S, LoopWatch
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from dataclasses import replace as dc_replace
 from typing import Any, Protocol, runtime_checkable
 
-from materl.rollout.episode import EpisodeState, append_turn, sample_turn
+from materl.rollout.multiturn import EpisodeState, append_turn, sample_turn
 
 
 @dataclass

@@ -49,7 +49,7 @@ import anyio
 
 from materl.engines.base import SamplingParams
 from materl.errors import ConfigError, RewardError
-from materl.rollout.episode import EpisodeState, sample_turn
+from materl.rollout.multiturn import EpisodeState, sample_turn
 from materl.rollout.http_pools import Pools
 from materl.rollout.judge_http import DEFAULT_MAX_ANSWER_BYTES, AttemptFailed, chat_completion, retry_wait
 from materl.rollout.types import Rollout

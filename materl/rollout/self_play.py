@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import anyio
 
 from materl.errors import ConfigError, EpisodeError, UnknownNameError
-from materl.rollout.episode import EpisodeState, append_turn, sample_turn
+from materl.rollout.multiturn import EpisodeState, append_turn, sample_turn
 from materl.rollout.types import Rollout
 
 

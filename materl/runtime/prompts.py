@@ -23,7 +23,7 @@ from typing import Any
 from materl.agent import model_context
 from materl.errors import ConfigError, DataError
 from materl.ops.rewards import BATCH_KEYS, REWARDS
-from materl.rollout.episode import EpisodeState, encode, prompt_messages
+from materl.rollout.multiturn import EpisodeState, encode, prompt_messages
 from materl.rollout.mcp import Toolbox
 from materl.runtime.data import Row, check_columns, load_rows, raise_problems
 

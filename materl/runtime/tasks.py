@@ -7,7 +7,7 @@ import random
 import re
 
 from materl.rollout.env import EnvStep
-from materl.rollout.episode import prompt_messages
+from materl.rollout.multiturn import prompt_messages
 from materl.tools.calculator import evaluate as evaluate_expression
 
 

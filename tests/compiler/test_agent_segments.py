@@ -12,7 +12,7 @@ import torch
 import materl as ml
 from materl.compiler.batch import RowMap
 from materl.compiler.compiled import Compiled
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.turns import observation_anchor, turn_index
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
@@ -93,7 +93,7 @@ async def learner_for(recipe, prompts, *, group_size: int = 2):
         await compiled.aclose()
     assert all(e.ok for e in episodes), [str(e.error) for e in episodes]
     keep = KeepGradients(policy.model)
-    learner = Learner(Run(compiled.context(), compiled.agents), episodes, keep)
+    learner = Learner(StageEnv(compiled.context(), compiled.agents), episodes, keep)
     await learner.prepare()
     return learner, keep
 

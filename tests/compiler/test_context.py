@@ -77,7 +77,7 @@ def test_a_worker_process_runs_the_rollout_stage_from_the_pickled_context():
 
 
 def test_training_steps_do_not_need_the_compiled_object_in_the_stages():
-    """The stages see a Run (context + agents): the scheduler and learner modules never import
+    """The stages see a StageEnv (context + agents): the scheduler and learner modules never import
     Compiled (the import contract checks the rest)."""
     import materl.compiler.learner as learner
     import materl.compiler.scheduler as scheduler

@@ -84,7 +84,7 @@ def test_distillation_moves_the_student_toward_the_teacher(teacher_dir):
     token per episode, 256 episodes a step, so the sampled reverse-KL gradient has little noise
     (over a 512-token vocabulary, 64 samples give a direction mostly noise, measured). After 8
     steps the student's exact KL to the teacher at that token is lower, and "a" more likely."""
-    from materl.rollout.episode import EpisodeState
+    from materl.rollout.multiturn import EpisodeState
     from tests.rollout.taught import teach
 
     teacher, student = ml.Agent(str(teacher_dir)), ml.Agent("tiny-random", trainable=True)

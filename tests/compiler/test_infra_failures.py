@@ -21,7 +21,7 @@ from materl.compiler.episode import Episode
 from materl.compiler.failures import INFRA_ERROR_KINDS, Failure, FailurePolicy, mark_infra_failure
 from materl.errors import StepFailedError
 from materl.ops.advantages import grpo
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ERROR_KINDS, ToolCall
 from materl.runtime.checkpoint import load_checkpoint
 from materl.runtime.train import train
@@ -45,7 +45,7 @@ def recipe(toolbox, faults: dict[str, list[str]]):
         args = {"text": "fine"} if tool == "echo" else {}
         last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall(tool, args, id="call_0")],
                                    finish_reason="tool_call")
-        return StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)
+        return TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)
 
     def length(*, completions, **_):  # a reward that differs between episodes
         return [float(len(c) % 5) for c in completions]

@@ -11,7 +11,7 @@ from materl.compiler.options import CompileOptions
 from materl.engines.base import SamplingParams
 from materl.errors import ConfigError, RecipeError, RewardError
 from materl.rollout.endpoint import AgentEndpoint, AgentSession
-from materl.rollout.episode import EpisodeState
+from materl.rollout.multiturn import EpisodeState
 from materl.rollout.judge import absolute_messages, parse_ranking, parse_score
 from tests.rollout.taught import teach
 

@@ -12,7 +12,7 @@ import torch
 
 import materl as ml
 from materl.compiler.compiled import Compiled
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.learner import Learner
 from materl.compiler.options import CompileOptions
 from materl.compiler.packing import MicroBatching, block_causal_mask, pack, unpack
@@ -167,7 +167,7 @@ def _learn(compiled, episodes, options, *, cut_by_tokens: int | None = None) -> 
     models = {n: a.model for n, a in compiled.agents.items() if a.trainable}
     keep = _KeepAll(models)
     ctx = dataclasses.replace(compiled.context(), options=CompileOptions(**options))
-    learner = Learner(Run(ctx, compiled.agents), episodes, keep)
+    learner = Learner(StageEnv(ctx, compiled.agents), episodes, keep)
     if cut_by_tokens is not None:
         assert options.get("max_tokens_per_micro_batch") is None
 

@@ -17,7 +17,7 @@ from materl.compiler.episode import Episode
 from materl.compiler.metrics import advantage_turn_metrics
 from materl.compiler.options import CompileOptions
 from materl.errors import CompileError, ConfigError
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.mcp import PythonTools, mcp_tools
 from materl.rollout.types import Rollout, Step, ToolCall
 from materl.runtime.config import load_config
@@ -32,12 +32,12 @@ class Clock:
 
 
 @ml.op
-async def force_call(step) -> {"step": StepResult}:
+async def force_call(step) -> {"step": TurnResult}:
     """The tiny random model never writes a call: give its turn one."""
     state = step.history
     last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall("now", {}, id=f"call_{len(state.steps)}")],
                                finish_reason="tool_call")
-    return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+    return {"step": TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
 
 
 def rollout_metrics(recipe, prompts=("a",)) -> dict:

@@ -8,7 +8,7 @@ import torch
 import materl as ml
 from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.mcp import PythonTools, mcp_tools
 from materl.rollout.types import ToolCall
 
@@ -70,11 +70,11 @@ class Clock:
 
 def tool_recipe(toolbox, *, force: bool):
     @ml.op
-    async def force_call(step) -> {"step": StepResult}:
+    async def force_call(step) -> {"step": TurnResult}:
         state = step.history
         last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall("now", {}, id="call_0")],
                                    finish_reason="tool_call")
-        return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+        return {"step": TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
 
     @ml.recipe
     def with_tools(policy, prompts):

@@ -8,7 +8,7 @@ import dataclasses
 import anyio
 
 import materl as ml
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ToolCall
 
 
@@ -17,12 +17,12 @@ def calculator_recipe(toolbox, *, delay_s: float = 0.0, expression: str = "6 * 7
     reward, so advantages and gradients are not zero)."""
 
     @ml.op
-    async def call_calculator(step) -> {"step": StepResult}:
+    async def call_calculator(step) -> {"step": TurnResult}:
         await anyio.sleep(delay_s)
         state = step.history
         call = ToolCall("calculate", {"expression": expression}, id="call_0")
         last = dataclasses.replace(state.steps[-1], tool_calls=[call], finish_reason="tool_call")
-        return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+        return {"step": TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
 
     @ml.recipe
     def calculator_grpo(policy, prompts):

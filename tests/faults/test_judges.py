@@ -21,7 +21,7 @@ from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
 from materl.errors import RewardError
 from materl.rollout.agent_trace import chat_message
-from materl.rollout.episode import EpisodeState
+from materl.rollout.multiturn import EpisodeState
 from materl.rollout.judge import Judge, parse_ranking, parse_score, quote
 from materl.rollout.judge_http import retry_after_s, retry_wait
 from materl.rollout.types import Rollout, Step

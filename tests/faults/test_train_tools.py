@@ -39,7 +39,7 @@ import json, os
 from dataclasses import replace
 
 import materl as ml
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ToolCall
 
 
@@ -48,7 +48,7 @@ def forcing(name, arguments):
     @ml.op
     async def force_call(turn):
         step = replace(turn.step, tool_calls=[ToolCall(name, dict(arguments), id="fixed")])
-        return StepResult(replace(turn.history, steps=turn.history.steps[:-1] + [step], done=False), step)
+        return TurnResult(replace(turn.history, steps=turn.history.steps[:-1] + [step], done=False), step)
     return force_call
 
 

@@ -14,7 +14,7 @@ import asyncio
 import torch
 
 from materl.engines.base import SamplingParams
-from materl.rollout.episode import encode
+from materl.rollout.multiturn import encode
 
 
 def teach(agent, pairs: list[tuple[list[int], str]], *, max_steps: int = 600, lr: float = 3e-3) -> None:

@@ -12,7 +12,7 @@ import pytest
 import materl as ml
 from materl.engines.base import SamplingParams
 from materl.rollout.endpoint import AgentEndpoint, AgentSession
-from materl.rollout.episode import EpisodeState, encode
+from materl.rollout.multiturn import EpisodeState, encode
 from tests.rollout.taught import Recording, teach
 
 CALC = {"type": "function", "function": {

@@ -7,7 +7,7 @@ import pytest
 import materl as ml
 from materl.compiler.kinds.rewards import turn_discounted
 from materl.engines.base import SamplingParams
-from materl.rollout.episode import EpisodeState, StepResult, append_tool_results, generate_step
+from materl.rollout.multiturn import EpisodeState, TurnResult, append_tool_results, generate_step
 from materl.rollout.types import Rollout, Step, ToolCall, ToolResult
 
 

@@ -18,7 +18,7 @@ from materl.compiler.options import CompileOptions
 from materl.engines.base import SamplingParams
 from materl.errors import RecipeError
 from materl.rollout.endpoint import AgentEndpoint, AgentSession
-from materl.rollout.episode import EpisodeState, in_call_order
+from materl.rollout.multiturn import EpisodeState, in_call_order
 from materl.rollout.mcp import MCPServer, mcp_tools
 from materl.rollout.parsers import NOT_RUN_SERIAL, TOOL_PARSERS, error_result, one_call_per_turn
 from materl.rollout.types import ToolCall, ToolResult

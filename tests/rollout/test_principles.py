@@ -7,7 +7,7 @@ import pytest
 
 import materl as ml
 from materl.errors import ConfigError, RewardError, UnknownNameError
-from materl.rollout.episode import EpisodeState
+from materl.rollout.multiturn import EpisodeState
 from materl.rollout.judge import absolute_messages, delimited
 from materl.rollout.principles import CRITIQUE, PrincipleJudge, as_principles, parse_revision, preference_pairs
 from materl.rollout.types import Rollout, Step

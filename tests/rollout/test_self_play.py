@@ -226,13 +226,13 @@ def test_refresh_opponent_makes_an_earlier_copy_that_later_updates_do_not_reach(
 
 
 def test_a_seat_that_arrives_after_its_game_ended_finds_it_over():
-    from materl.compiler.context import Run
+    from materl.compiler.context import StageEnv
     from materl.compiler.episode import Episode
     from materl.compiler.kinds.self_play import self_play_episode
 
     step = ml.compile(self_play_recipe("TicTacToe-v0"), policy=ml.Agent("tiny-random", trainable=True),
                       group_size=2, max_new_tokens=3)
-    run = Run(step.context(), step.agents)
+    run = StageEnv(step.context(), step.agents)
     node = next(n for n in step.recipe.nodes if n.op == "self_play")
     first, second = (Episode(j, 0, 0, "opening", {}, seed=j) for j in range(2))
 

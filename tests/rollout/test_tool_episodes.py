@@ -15,7 +15,7 @@ import pytest
 import materl as ml
 from materl.compiler.compiled import Compiled
 from materl.compiler.options import CompileOptions
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.mcp import MCPServer, PythonTools, mcp_tools
 from materl.rollout.types import ToolCall
 
@@ -25,11 +25,11 @@ FAULTY = [sys.executable, str(ROOT / "tests/tools/faulty_server.py")]
 
 def forced_call_recipe(toolbox, tool: str, args: dict):
     @ml.op
-    async def force_call(step) -> {"step": StepResult}:
+    async def force_call(step) -> {"step": TurnResult}:
         state = step.history
         last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall(tool, dict(args), id="call_0")],
                                    finish_reason="tool_call")
-        return {"step": StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
+        return {"step": TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)}
 
     @ml.recipe
     def forced(policy, prompts):

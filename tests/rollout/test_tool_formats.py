@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from materl.rollout.episode import EpisodeState, _assistant_message, append_tool_results, encode, render
+from materl.rollout.multiturn import EpisodeState, _assistant_message, append_tool_results, encode, render
 from materl.rollout.parsers import parse_safely
 from materl.rollout.tool_formats import choose_format
 from materl.rollout.types import Step, ToolCall, ToolResult

@@ -10,7 +10,7 @@ import pytest
 
 import materl as ml
 from materl.recipes.grpo_tools import grpo_tools_recipe
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import ToolCall
 
 
@@ -19,7 +19,7 @@ async def force_call(step):
     state = step.history
     last = dataclasses.replace(state.steps[-1], tool_calls=[ToolCall("calculate", {"expression": "2 + 3"},
                                                                      id="call_0")], finish_reason="tool_call")
-    return StepResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)
+    return TurnResult(dataclasses.replace(state, steps=state.steps[:-1] + [last], done=False), last)
 
 
 @pytest.mark.parametrize("step_credit", ["process", "turn", "gigpo"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout, is_scalar, pad_rows, to_tensor
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
 from materl.compiler.turns import ROLLOUT_PARAMS, rollout_tensors
@@ -86,7 +86,7 @@ def _estimator(node: Node, inputs: list[list], hp: dict) -> tuple[str, dict]:
     return "process", {"eps": hp.get("eps", 1e-6), "scale": scale}
 
 
-def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+def advantages_torch(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     rewards, mask, extra, hp = _tensors(node, inputs)
     est, hp = _estimator(node, inputs, hp)
     fn = ADVANTAGES.get(est)
@@ -96,7 +96,7 @@ def advantages_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list
     return _per_episode({"advantages": adv.float(), "returns": returns.float()}, inputs)
 
 
-def advantages_mojo(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+def advantages_mojo(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     """GRPO/RLOO in one kernel call over (B,) rewards; returns = advantages, as the op's."""
     rewards, mask, _, hp = _tensors(node, inputs)
     if rewards.dim() != 1:  # token-level rewards: the op's per-token returns-to-go

@@ -6,7 +6,7 @@ OpenAI-compatible endpoint that the policy's engine serves (``materl.rollout.end
     rollout = ml.agent_episodes(policy, prompts, agent=my_agent)
 
 The node holds the endpoint's spec (``EndpointSpec``); the compiled step (or a rollout worker)
-builds the live endpoint, starts it with its other services and closes it (``Run.service``).
+builds the live endpoint, starts it with its other services and closes it (``StageEnv.service``).
 Each episode gets its own API key and an ``openai.AsyncOpenAI`` client for it (an ``openai.OpenAI``
 for a plain ``def`` agent, which runs in a thread of its own); the agent's
 requests are sampled by the policy's engine (any engine: through ``model_turn``, like
@@ -33,7 +33,7 @@ import inspect
 import anyio
 
 from materl.agent import model_context
-from materl.compiler.context import Run, sampling
+from materl.compiler.context import StageEnv, sampling
 from materl.compiler.episode import Episode
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.errors import EpisodeError
@@ -48,7 +48,7 @@ def task_of(ep: Episode) -> dict:
     return {"prompt": ep.prompt, **ep.columns}
 
 
-async def agent_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
+async def agent_episode(run: StageEnv, node: Node, ep: Episode, prompt) -> Rollout:
     agent, endpoint = run.agent(node), run.service(node, "endpoint")
     session = AgentSession(agent.engine, agent.tokenizer, lambda k: sampling(run, node, ep.seed, k),
                            parser=node.params.get("parser", "auto"), model=agent.name,

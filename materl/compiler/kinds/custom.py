@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout, collate
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
 from materl.errors import CompileError, EpisodeError
 from materl.graph.node import Node
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import Rollout
 
 
@@ -24,14 +24,14 @@ def _name(node: Node) -> str:
     return node.params["fn"].__name__
 
 
-async def call_episode(run: Run, node: Node, ep: Episode, *inputs):
+async def call_episode(run: StageEnv, node: Node, ep: Episode, *inputs):
     out = node.params["fn"](**_args(node, inputs))
     if hasattr(out, "__await__"):
         out = await out
     return _check_outputs(node, out)
 
 
-def call_group(run: Run, node: Node, eps: list[Episode], inputs: list[list]):
+def call_group(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]):
     out = node.params["fn"](**_args(node, [collate(v) for v in inputs]))
     if hasattr(out, "__await__"):
         out.close()
@@ -39,19 +39,19 @@ def call_group(run: Run, node: Node, eps: list[Episode], inputs: list[list]):
     return _check_outputs(node, out)
 
 
-def call_kernel_group(run: Run, node: Node, eps: list[Episode], inputs: list[list]):
+def call_kernel_group(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]):
     """A user Mojo kernel gets rollouts as lists of their exact completion token ids."""
-    args = [[as_rollout(x).completion_ids for x in v] if v and isinstance(v[0], (Rollout, StepResult))
+    args = [[as_rollout(x).completion_ids for x in v] if v and isinstance(v[0], (Rollout, TurnResult))
             else collate(v) for v in inputs]
     return _check_outputs(node, node.params["fn"](**_args(node, args)))
 
 
-async def call_kernel_episode(run: Run, node: Node, ep: Episode, *inputs):
+async def call_kernel_episode(run: StageEnv, node: Node, ep: Episode, *inputs):
     return _check_outputs(node, node.params["fn"](**_args(node, [_ids(x) for x in inputs])))
 
 
 def _ids(x: Any) -> Any:
-    return as_rollout(x).completion_ids if isinstance(x, (Rollout, StepResult)) else x
+    return as_rollout(x).completion_ids if isinstance(x, (Rollout, TurnResult)) else x
 
 
 def call_learn(learner, node: Node, rows, get, denoms):

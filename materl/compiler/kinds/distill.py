@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout, pad_rows, to_tensor
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, RecipeInfo, Role, spec_of
 from materl.graph.node import Node, ref_node
 from materl.ops.distill import distill_advantages
 
 
-def distill_torch(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
+def distill_torch(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> dict:
     mask = pad_rows([as_rollout(x).loss_mask for x in inputs[0]])
     width = mask.shape[1]
     student, teacher, *base = (to_tensor(v, width=width).double() for v in inputs[1:])

@@ -5,7 +5,7 @@ exists, while other episodes still generate (the judge's latency overlaps the ro
 by the judge's semaphore). Relative judging (RULER) is group-scope: a group's episodes go to the
 judge in one call once the group is done. A judge failure fails the episode (absolute) or the
 group's episodes (relative), with the judge's error recorded. The node holds the judge's spec
-(``JudgeSpec``); the live ``Judge`` is the compiled step's (``Run.service``), which closes its
+(``JudgeSpec``); the live ``Judge`` is the compiled step's (``StageEnv.service``), which closes its
 connection pools when the step closes.
 
 Each judged episode records the call that scored it: ``judge/<node>/calls`` in its metrics (the
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import anyio
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout
 from materl.compiler.kinds.rewards import prompt_text
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
 
 
-async def judge_episode(run: Run, node: Node, ep: Episode, rollout) -> float:
+async def judge_episode(run: StageEnv, node: Node, ep: Episode, rollout) -> float:
     verdict = await run.service(node, "judge").verdict(prompt_text(ep.prompt), as_rollout(rollout))
     record(node, ep, verdict)
     return verdict.value
@@ -37,7 +37,7 @@ def record(node: Node, ep: Episode, verdict) -> None:
     ep.notes[f"judge/{node.name}"] = verdict.answer
 
 
-async def judge_groups(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
+async def judge_groups(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
     """One judge call per group (concurrently), scores back in the episodes' order."""
     judge, rollouts = run.service(node, "judge"), [as_rollout(x) for x in inputs[0]]
     groups: dict[int, list[int]] = {}

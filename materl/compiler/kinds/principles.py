@@ -7,19 +7,19 @@ batched with the episodes that finish in the same tick; ``pareto`` compares a gr
 it runs once the group is done. Each principle's score is an episode metric
 ``reward/<node>/<principle>`` (reported as ``.../mean`` and ``.../std``); a judge failure fails
 the episodes it was judging, with its error. The node holds a ``PrinciplesSpec``; the live
-``PrincipleJudge`` is the compiled step's (``Run.service``).
+``PrincipleJudge`` is the compiled step's (``StageEnv.service``).
 """
 
 from __future__ import annotations
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout
 from materl.compiler.kinds.rewards import prompt_text
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.graph.node import Node
 
 
-async def principle_scores(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
+async def principle_scores(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> list[float]:
     judge = run.service(node, "principles")
     rollouts = [as_rollout(x) for x in inputs[0]]
     prompts = [prompt_text(ep.prompt) for ep in eps]

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from materl.compiler.context import Run
+from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode, as_rollout, pad_rows
 from materl.compiler.spec import NOT_FOR, Impl, Kind, OpSpec, Output, Role, may_be_turn
 from materl.errors import CompileError, ShapeError
@@ -33,7 +33,7 @@ from materl.kernels.rewards import pad_ids
 from materl.kernels.text_rewards import TEXT_KERNELS
 from materl.ops._masked import place_on_last_trained
 from materl.ops.rewards import Reward, RewardSum
-from materl.rollout.episode import StepResult
+from materl.rollout.multiturn import TurnResult
 from materl.rollout.types import Rollout, Step, last_user_message
 
 
@@ -55,7 +55,7 @@ def _binding(term: Mapping) -> tuple[int | None, int | None]:
     return term.get("rollout"), term.get("step")
 
 
-async def score(run: Run, node: Node, eps: list[Episode], inputs: list[list], *,
+async def score(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list], *,
                 given: Mapping[int, Tensor] | None = None) -> list:
     """The node's weighted reward per episode; ``given``: term index -> precomputed unweighted scores."""
     terms, given, n = node.params["terms"], given or {}, len(eps)
@@ -68,7 +68,7 @@ async def score(run: Run, node: Node, eps: list[Episode], inputs: list[list], *,
         bindings.setdefault(key, []).append(i)
     for (rollout_at, step_at), members in bindings.items():
         rollouts = [as_rollout(x) for x in inputs[rollout_at]] if rollout_at is not None else None
-        steps = [x.step if isinstance(x, StepResult) else None for x in inputs[step_at]] if step_at is not None else None
+        steps = [x.step if isinstance(x, TurnResult) else None for x in inputs[step_at]] if step_at is not None else None
         rsum = RewardSum(tuple(_reward(terms[i], inputs, given.get(i)) for i in members))
         result = await rsum.aevaluate(**_batch(eps, rollouts, steps))
         for label, scores in result.components.items():
@@ -237,7 +237,7 @@ def _fused_when(node: Node, options) -> str | None:
     return None
 
 
-async def fused_score(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list:
+async def fused_score(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> list:
     terms, given = node.params["terms"], {}
     fused = fusable_terms(node)
     if fused:
@@ -261,7 +261,7 @@ def _describe(node: Node, impl: str) -> str:
 # -- filters ------------------------------------------------------------------------------------
 
 
-def filter_groups(run: Run, node: Node, eps: list[Episode], inputs: list[list]) -> list[bool]:
+def filter_groups(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]) -> list[bool]:
     """Keep a group only if its rewards differ (DAPO dynamic sampling)."""
     scores = [float(torch.as_tensor(v).sum()) for v in inputs[0]]
     by_group: dict = {}

@@ -8,32 +8,32 @@ from dataclasses import replace as dc_replace
 
 import anyio
 
-from materl.compiler.context import Run, sampling
+from materl.compiler.context import StageEnv, sampling
 from materl.compiler.episode import Episode
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role, may_be_turn, spec_of
 from materl.errors import EpisodeError
 from materl.graph.node import Node
 from materl.rollout.env import run_env_episode
-from materl.rollout.episode import EpisodeState, StepResult, generate_step, sample_turn
+from materl.rollout.multiturn import EpisodeState, TurnResult, generate_step, sample_turn
 from materl.rollout.types import Rollout
 
 
-def _system(run: Run, node: Node) -> str | None:
+def _system(run: StageEnv, node: Node) -> str | None:
     return node.params.get("system", run.options.system_prompt)
 
 
-async def generate(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
+async def generate(run: StageEnv, node: Node, ep: Episode, prompt) -> Rollout:
     agent = run.agent(node)
     state = EpisodeState.start(agent.tokenizer, prompt, system=_system(run, node))
     step = await sample_turn(agent.engine, agent.tokenizer, state.ids, sampling(run, node, ep.seed))
     return Rollout(state.ids, [step], messages=state.messages + [{"role": "assistant", "content": step.text}])
 
 
-async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_responses=None) -> StepResult:
+async def generate_step_impl(run: StageEnv, node: Node, ep: Episode, history, tool_responses=None) -> TurnResult:
     agent = run.agent(node)
     toolbox = run.services.get(node.name, "tools")  # None: no tools, or OpenAI function specs in the node
     specs = toolbox.tools if toolbox is not None else node.params.get("tools")
-    if isinstance(history, StepResult):
+    if isinstance(history, TurnResult):
         state = history.history
     elif isinstance(history, EpisodeState):
         state = history
@@ -50,8 +50,8 @@ async def generate_step_impl(run: Run, node: Node, ep: Episode, history, tool_re
                                context_limit=run.options.context_limit)
 
 
-async def structure_rollout(run: Run, node: Node, ep: Episode, *parts) -> Rollout:
-    states = [p.history if isinstance(p, StepResult) else p for p in parts if isinstance(p, (StepResult, EpisodeState))]
+async def structure_rollout(run: StageEnv, node: Node, ep: Episode, *parts) -> Rollout:
+    states = [p.history if isinstance(p, TurnResult) else p for p in parts if isinstance(p, (TurnResult, EpisodeState))]
     if not states:
         raise EpisodeError(f"structure_rollout {node.name!r} got no generate steps")
     rollout = max(states, key=lambda s: len(s.steps)).to_rollout()
@@ -61,7 +61,7 @@ async def structure_rollout(run: Run, node: Node, ep: Episode, *parts) -> Rollou
     return rollout
 
 
-async def env_rollout(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
+async def env_rollout(run: StageEnv, node: Node, ep: Episode, prompt) -> Rollout:
     agent = run.agent(node)
     env = node.params["env"]()
     return await run_env_episode(agent.engine, agent.tokenizer, env, prompt, ep.columns, sampling(run, node, ep.seed),
@@ -69,9 +69,9 @@ async def env_rollout(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
                                  system=run.options.system_prompt)
 
 
-async def call_tools(run: Run, node: Node, ep: Episode, step) -> list:
+async def call_tools(run: StageEnv, node: Node, ep: Episode, step) -> list:
     toolbox = run.service(node, "tools")
-    calls = step.tool_requests if isinstance(step, StepResult) else list(step or [])
+    calls = step.tool_requests if isinstance(step, TurnResult) else list(step or [])
     results: list = [None] * len(calls)
 
     async def one(i, call):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import anyio
 
-from materl.compiler.context import Run, sampling
+from materl.compiler.context import StageEnv, sampling
 from materl.compiler.episode import Episode
 from materl.compiler.spec import Impl, Kind, OpSpec, Output, Role
 from materl.errors import CompileError, EpisodeError
@@ -38,7 +38,7 @@ _OPEN: dict[tuple, Match] = {}  # games whose first seat has arrived: (rollout i
 OPPONENT_SEED = 500_009  # the opponent's sampling seeds: the episode's, shifted
 
 
-async def self_play_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollout:
+async def self_play_episode(run: StageEnv, node: Node, ep: Episode, prompt) -> Rollout:
     policy, size = run.agent(node), run.options.group_size
     member = ep.index - ep.group * size
     max_moves = node.params.get("max_moves") or 2 * run.options.max_turns
@@ -68,7 +68,7 @@ async def self_play_episode(run: Run, node: Node, ep: Episode, prompt) -> Rollou
     return _record(ep, rollout, match, seat)
 
 
-async def _against(run: Run, node: Node, ep: Episode, *, seat: int, seed: int, max_moves: int) -> Rollout:
+async def _against(run: StageEnv, node: Node, ep: Episode, *, seat: int, seed: int, max_moves: int) -> Rollout:
     """The policy plays ``seat`` and the opponent the other one, concurrently, in this episode."""
     policy, opponent = run.agent(node), run.agents[node.agents[1]]
     match = Match(make_game(node.params["game"]), seed=seed, max_moves=max_moves)

@@ -94,7 +94,7 @@ class EpisodeState:
 
 
 @dataclass
-class StepResult:
+class TurnResult:
     """What ``ml.generate_step`` yields: the episode after the step, and the step (None when the
     episode had already ended, so a fixed unrolled recipe can run past an early final answer)."""
 
@@ -247,7 +247,7 @@ async def _parse(fmt, tokenizer, state: EpisodeState, token_ids: list[int], text
 async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: Any, params: SamplingParams,
                         *, parser: str = "auto", max_tool_output_tokens: int | None = None,
                         parallel_tool_calls: bool = True, max_context: int | None = None,
-                        context_limit: str = "end") -> StepResult:
+                        context_limit: str = "end") -> TurnResult:
     """One model turn: append the answers to the previous turn's calls (exact tokens, in call
     order), generate, and parse the calls with ``parser`` (``"auto"``: the format the chat
     template declares; see ``tool_formats.choose_format``); ``parallel_tool_calls`` as in
@@ -256,15 +256,15 @@ async def generate_step(engine, tokenizer, state: EpisodeState, tool_responses: 
     ``max_context``: the model's context in tokens. A turn whose context so far plus
     ``params.max_new_tokens`` would exceed it is not sampled (``check_context``)."""
     if state.done:
-        return StepResult(state, None)
+        return TurnResult(state, None)
     if state.steps:
         calls = state.pending_calls
         if not calls:
-            return StepResult(replace(state, done=True), None)
+            return TurnResult(replace(state, done=True), None)
         results = in_call_order(calls, _as_results(tool_responses, [c for c in calls if c.error is None]))
         state = append_tool_results(tokenizer, state, results, max_output_tokens=max_tool_output_tokens)
     if max_context is not None and len(state.ids) + params.max_new_tokens > max_context:
-        return StepResult(check_context(state, params.max_new_tokens, max_context, context_limit), None)
+        return TurnResult(check_context(state, params.max_new_tokens, max_context, context_limit), None)
     return await model_turn(engine, tokenizer, state, params, parser=parser, parallel_tool_calls=parallel_tool_calls)
 
 
@@ -290,7 +290,7 @@ def check_context(state: EpisodeState, max_new_tokens: int, max_context: int, co
 
 
 async def model_turn(engine, tokenizer, state: EpisodeState, params: SamplingParams, *,
-                     parser: str = "auto", parallel_tool_calls: bool = True) -> StepResult:
+                     parser: str = "auto", parallel_tool_calls: bool = True) -> TurnResult:
     """Sample the model's turn after ``state`` (exact ids) and parse its tool calls with
     ``parser``; the episode is done when the turn makes no call or hits its token limit.
     ``generate_step`` and the OpenAI-compatible endpoint (``rollout/endpoint.py``) sample here.
@@ -314,4 +314,4 @@ async def model_turn(engine, tokenizer, state: EpisodeState, params: SamplingPar
     messages = state.messages + [_assistant_message(step.text, parsed)]
     done = not parsed.calls or sampled.finish_reason == "length"
     state = replace(state, ids=state.ids + step.token_ids, messages=messages, steps=state.steps + [step], done=done)
-    return StepResult(state, step)
+    return TurnResult(state, step)
