@@ -48,8 +48,9 @@ def teacher_accuracy(folder: str, test: list[dict]) -> float:
         step.close()
 
 
-def curve(method: str, teacher: str, seed: int, steps: int, eval_every: int, weight: float) -> list[tuple[int, float]]:
-    train, test = train_test_split(steps * BATCH, 32, seed=0)
+def curve(method: str, teacher: str, seed: int, steps: int, eval_every: int, weight: float,
+          train_rows: int) -> list[tuple[int, float]]:
+    train, test = train_test_split(train_rows, 32, seed=0)
     student = ml.Agent("smollm2-135m-instruct", trainable=True)
     if method == "distill":
         step = ml.compile(distill_recipe(weight), policy=student, teacher=ml.Agent(teacher), **options(seed))
@@ -78,22 +79,26 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--weight", type=float, default=1.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--train-rows", type=int, default=12 * BATCH,
+                   help="the training questions (the demo's 24), the same whatever --steps is, so that runs with "
+                        "different --steps or --eval-every train on the same data")
     args = p.parse_args()
     teacher = args.teacher or str(ml.export(args.teacher_run, tempfile.mkdtemp(prefix="teacher-") + "/policy"))
-    _, test = train_test_split(args.steps * BATCH, 32, seed=0)
+    _, test = train_test_split(args.train_rows, 32, seed=0)
     target = teacher_accuracy(teacher, test)
     print(f"teacher held-out accuracy {target:.3f} ({teacher})", flush=True)
     for seed in args.seeds:
         reached = {}
         for method in ("distill", "grpo"):
             t0 = time.perf_counter()
-            points = curve(method, teacher, seed, args.steps, args.eval_every, args.weight)
+            points = curve(method, teacher, seed, args.steps, args.eval_every, args.weight, args.train_rows)
             reached[method] = first_reaching(points, target)
             shown = "  ".join(f"step {s}: {a:.3f}" for s, a in points)
             print(f"seed {seed} {method:>7}: {shown}  (reaches teacher at {reached[method]}; "
                   f"{time.perf_counter() - t0:.0f}s)", flush=True)
         d, g = reached["distill"], reached["grpo"]
-        ratio = f"{g / d:.2f}x" if d and g else "n/a (not reached within the steps)"
+        ratio = (f"{g / d:.2f}x" if d and g else f"> {args.steps / d:.2f}x (GRPO did not reach it in {args.steps} steps)"
+                 if d else "n/a (distillation did not reach it within the steps)")
         print(f"seed {seed}: steps to the teacher's accuracy, GRPO / distillation = {ratio}", flush=True)
 
 
