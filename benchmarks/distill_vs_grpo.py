@@ -59,9 +59,9 @@ def curve(method: str, teacher: str, seed: int, steps: int, eval_every: int, wei
                                    format_as_step=False, format_needs_success=True)
         step = ml.compile(recipe, policy=student, **options(seed))
     try:
-        result = ml.train(step, as_chat(train), steps=steps, batch_size=BATCH, eval_dataset=as_chat(test),
-                          eval_every=eval_every, seed=seed, run_dir=tempfile.mkdtemp(prefix=f"{method}-{seed}-"),
-                          progress=False, tensorboard=False)
+        with tempfile.TemporaryDirectory(prefix=f"{method}-{seed}-") as run_dir:  # ~2 GB of checkpoints a run
+            result = ml.train(step, as_chat(train), steps=steps, batch_size=BATCH, eval_dataset=as_chat(test),
+                              eval_every=eval_every, seed=seed, run_dir=run_dir, progress=False, tensorboard=False)
     finally:
         step.close()
     return [(e["step"], e["eval/accuracy"]) for e in result["evals"]]
@@ -83,7 +83,11 @@ def main() -> None:
                    help="the training questions (the demo's 24), the same whatever --steps is, so that runs with "
                         "different --steps or --eval-every train on the same data")
     args = p.parse_args()
-    teacher = args.teacher or str(ml.export(args.teacher_run, tempfile.mkdtemp(prefix="teacher-") + "/policy"))
+    with tempfile.TemporaryDirectory(prefix="teacher-") as tmp:
+        compare(args, args.teacher or str(ml.export(args.teacher_run, tmp + "/policy")))
+
+
+def compare(args: argparse.Namespace, teacher: str) -> None:
     _, test = train_test_split(args.train_rows, 32, seed=0)
     target = teacher_accuracy(teacher, test)
     print(f"teacher held-out accuracy {target:.3f} ({teacher})", flush=True)
