@@ -227,7 +227,7 @@ _by_hash: dict[str, Kernel] = {}  # source hash -> loaded kernel
 _failed: dict[str, str] = {}  # source hash -> why its build failed
 _by_path: dict[Path, tuple[tuple, Kernel]] = {}  # source file -> (stat keys of it and its packages, kernel)
 _files: dict[Path, tuple[tuple[int, int], str]] = {}  # source path -> (stat key, text)
-_imports: dict[Path, tuple[tuple[int, int], list[Path]]] = {}  # source path -> (its stat key, package files)
+_imports: dict[Path, tuple] = {}  # source path -> (its stat key, package files, [(package folder, stat key)])
 _warned: set[str] = set()
 
 
@@ -348,13 +348,15 @@ def read_source(path: Path) -> str:
 
 def compile_file(path: str | os.PathLike) -> Kernel:
     """Build and load one .mojo file and the sibling packages it imports (raises KernelError on
-    a missing file or build error). A call on unchanged files costs one stat per file: the
-    packages a source imports are found again only when the source itself changed."""
+    a missing file or build error). A call on unchanged files costs one stat per file and per
+    package folder: the packages a source imports are found again only when the source or a
+    package folder changed (a file added to, removed from or renamed in a package)."""
     path = Path(path)
     own = _stat_key(path)
     found = _imports.get(path)
-    if found is None or found[0] != own:
-        found = _imports[path] = (own, imported_packages(read_source(path), path.parent))
+    if found is None or found[0] != own or any(_stat_key(d) != k for d, k in found[2]):
+        files = imported_packages(read_source(path), path.parent)
+        found = _imports[path] = (own, files, [(d, _stat_key(d)) for d in _folders(files, path.parent)])
     key = (own, *(_stat_key(f) for f in found[1]))
     hit = _by_path.get(path)
     if hit is not None and hit[0] == key:  # unchanged files: skip re-reading and hashing
@@ -362,6 +364,11 @@ def compile_file(path: str | os.PathLike) -> Kernel:
     kernel = compile_source(path.stem, read_source(path), origin=path, include=path.parent)
     _by_path[path] = (key, kernel)
     return kernel
+
+
+def _folders(files: list[Path], folder: Path) -> list[Path]:
+    """``folder`` (a package appears in it) and every folder holding one of the package ``files``."""
+    return [folder, *sorted({f.parent for f in files})]
 
 
 def load(name: str) -> Kernel | None:

@@ -75,6 +75,23 @@ def test_rebuilt_when_the_source_changes_and_not_otherwise(tmp_path, temp_cache,
     assert _answer(loader.compile_file(src)) == 1 and len(count_builds) == 2
 
 
+@pytest.mark.mojo
+def test_a_file_added_to_an_imported_package_is_noticed_in_the_same_process(tmp_path, temp_cache, count_builds):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.mojo").write_text("")
+    (tmp_path / "pkg" / "one.mojo").write_text("def value() -> Int64:\n    return 7\n")
+    src = tmp_path / "main.mojo"
+    src.write_text("from pkg.one import value\n" + TINY.format(value="value()"))
+    first = loader.compile_file(src)
+    assert _answer(first) == 7 and len(count_builds) == 1
+    assert loader.compile_file(src) is first and len(count_builds) == 1  # nothing changed: the memo
+    (tmp_path / "pkg" / "two.mojo").write_text("def other() -> Int64:\n    return 8\n")  # the importer unchanged
+    second = loader.compile_file(src)
+    assert len(count_builds) == 2 and second.path.parent != first.path.parent  # the package's text is in the key
+    loader.reset()  # a new process sees the same key, so builds nothing
+    assert loader.compile_file(src).path == second.path and len(count_builds) == 2
+
+
 def test_missing_mojo_falls_back_with_exactly_one_warning(monkeypatch, fresh_loader):
     monkeypatch.setitem(sys.modules, "mojo", None)  # `import mojo` now raises ImportError
     monkeypatch.setitem(sys.modules, "mojo.run", None)
