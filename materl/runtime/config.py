@@ -9,7 +9,8 @@ Sections: ``model``, ``ref_model``, ``teacher``, ``recipe``, ``rewards``, ``tool
 ``train``, ``logging``. Every key has one default, here. Unknown keys are errors (a typo is not
 silently ignored). A bad value raises :class:`~materl.errors.ConfigError` naming the field path
 (``train.steps``), the value received, the accepted range or choices and, for a file, the line
-of the key (``run.yaml:12``).
+of the key (``run.yaml:12``). Reading the YAML itself (duplicate keys, overrides, key lines) is
+``materl.runtime.config_yaml``.
 
 Overrides are ``dotted.path=value``; the value is parsed as a YAML scalar (``3`` is an int,
 ``1e-5`` a float, ``true`` a bool, ``null`` None, ``[1, 2]`` a list); list items are addressed by
@@ -20,11 +21,9 @@ dataclasses. Deliberate difference: no interpolation, no config groups — one f
 from __future__ import annotations
 
 import importlib.util
-import re
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -41,6 +40,7 @@ from materl.engines.models import NAMED_MODELS, lora_options
 from materl.errors import ConfigError, MaterlError
 from materl.ops.offpolicy import correction_params
 from materl.ops.rewards import REWARDS
+from materl.runtime.config_yaml import apply_override, key_lines, read_config_data
 from materl.runtime.curriculum import Curriculum, check_knobbed
 from materl.runtime.early_stop import EarlyStopping
 from materl.runtime.logging import require_backend
@@ -50,44 +50,6 @@ from materl.runtime.teacher_config import TeacherSection, check_device, check_te
 from materl.validation import describe, did_you_mean
 
 DATA_GENERATORS = ("arithmetic",)
-
-
-class DuplicateKey(yaml.YAMLError):
-    """A YAML mapping names a key twice (PyYAML would keep the last value silently)."""
-
-    def __init__(self, key: Any, line: int, first: int):
-        super().__init__(f"line {line}: duplicate key {key!r} (first at line {first})")
-        self.key, self.line, self.first = key, line, first
-
-
-class _Loader(yaml.SafeLoader):
-    """PyYAML's safe loader, reading ``1e-5`` as a float (YAML 1.2) rather than a string, and
-    refusing a key written twice in one mapping (``DuplicateKey``, with both lines)."""
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):  # its own keys; a merged (<<) key may be overridden
-            seen: dict[Any, int] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
-                try:
-                    if key in seen:
-                        raise DuplicateKey(key, line, seen[key])
-                    seen[key] = line
-                except TypeError:  # an unhashable key: the base class reports it
-                    break
-        return super().construct_mapping(node, deep=deep)
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."),
-)
-
-
-def _yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class _Section(BaseModel):
@@ -394,32 +356,6 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return cfg
 
 
-def read_config_data(path: str | Path) -> dict[str, Any]:
-    """The YAML mapping of a config file, unvalidated; ConfigError for a missing file, text that
-    is not UTF-8, bad YAML, a key written twice or a top level that is not a mapping."""
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = raw.count(b"\n", 0, e.start) + 1
-        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text: byte {raw[e.start]:#04x} on line {line} "
-                          f"({path}:{line}); save it as UTF-8") from None
-    try:
-        data = _yaml(text) or {}
-    except DuplicateKey as e:
-        raise ConfigError(f"{path}:{e.line}: duplicate key {e.key!r} (first at line {e.first}); a key may appear "
-                          f"once per section (YAML would keep only the last value)") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, got {type(data).__name__}")
-    return data
-
-
 def validate_config(data: dict[str, Any], *, where: str = "config", lines: dict[tuple, int] | None = None
                     ) -> TrainConfig:
     """A :class:`TrainConfig` from a plain dict; errors become one ConfigError per failure, each
@@ -449,63 +385,7 @@ def config_to_dict(cfg: TrainConfig | dict) -> dict[str, Any]:
     return {**cfg.model_dump(mode="json"), "compile": cfg.compile_options().model_dump(mode="json")}
 
 
-def apply_override(data: dict[str, Any], item: str) -> None:
-    """Set ``data[a][b][c] = yaml(value)`` for ``item = "a.b.c=value"`` (in place)."""
-    key, sep, raw = item.partition("=")
-    parts = key.strip().split(".")
-    if not sep or not all(parts):
-        raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. train.steps=3)")
-    try:
-        value = _yaml(raw) if raw.strip() else ""
-    except DuplicateKey as e:
-        raise ConfigError(f"override {item!r}: duplicate key {e.key!r} in its value") from None
-    except yaml.YAMLError:
-        value = raw
-    node: Any = data
-    for depth, part in enumerate(parts):
-        last = depth == len(parts) - 1
-        where = ".".join(parts[: depth + 1])
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"override {item!r}: {where!r} is not an index of a list of {len(node)} items")
-            index: Any = int(part)
-        elif isinstance(node, dict):
-            index = part
-            if not last and node.get(part) is None:
-                node[part] = {}
-        else:
-            raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth])!r} is a value, not a section")
-        if last:
-            node[index] = value
-        else:
-            node = node[index]
-
-
 # ----------------------------------------------------------------------------- checks and messages
-
-
-def key_lines(text: str) -> dict[tuple, int]:
-    """The 1-based line of each key of a YAML config, by path (``("teacher", "name") -> 12``;
-    list items by index); {} for text that is not YAML."""
-    try:
-        root = yaml.compose(text, Loader=_Loader)
-    except yaml.YAMLError:
-        return {}
-    out: dict[tuple, int] = {}
-
-    def walk(node: Any, path: tuple) -> None:
-        if isinstance(node, yaml.MappingNode):
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode):
-                    out[(*path, key.value)] = key.start_mark.line + 1
-                    walk(value, (*path, key.value))
-        elif isinstance(node, yaml.SequenceNode):
-            for i, value in enumerate(node.value):
-                out[(*path, i)] = value.start_mark.line + 1
-                walk(value, (*path, i))
-
-    walk(root, ())
-    return out
 
 
 def _check_model(name: str) -> str:

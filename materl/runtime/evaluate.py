@@ -18,7 +18,8 @@ from materl.ops.rewards import Reward
 from materl.errors import ConfigError
 from materl.runtime.build import build_from_config
 from materl.runtime.checkpoint import load_checkpoint, restore
-from materl.runtime.config import TrainConfig, apply_override, validate_config
+from materl.runtime.config import TrainConfig, validate_config
+from materl.runtime.config_yaml import apply_override
 from materl.runtime.data import split_columns
 from materl.runtime.prompts import prepare_rows
 

@@ -51,7 +51,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from materl.errors import ConfigError
 from materl.runtime.compare import common_metrics, compare, direction, load_runs
-from materl.runtime.config import apply_override, read_config_data, resolve_data_source, validate_config
+from materl.runtime.config import resolve_data_source, validate_config
+from materl.runtime.config_yaml import apply_override, read_config_data
 from materl.runtime.logging import METRICS_FILE
 from materl.runtime.pids import alive
 from materl.runtime.sweep_space import distributions, first_values, import_optuna, trial_data

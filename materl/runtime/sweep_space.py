@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from materl.errors import ConfigError
-from materl.runtime.config import apply_override
+from materl.runtime.config_yaml import apply_override
 
 RESERVED = ("train.run_dir", "train.resume")  # the sweep sets these per trial
 

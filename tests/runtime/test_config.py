@@ -238,9 +238,9 @@ def test_duplicate_keys_name_the_file_and_both_lines(tmp_path):
 
 def test_a_merge_key_may_be_overridden():
     # YAML's <<: merges a mapping; a key written after it overrides the merged one (not a duplicate)
-    from materl.runtime.config import _yaml
+    from materl.runtime.config_yaml import parse_yaml
 
-    assert _yaml("base: &b {steps: 3, batch_size: 2}\ntrain:\n  <<: *b\n  steps: 5\n")["train"] == \
+    assert parse_yaml("base: &b {steps: 3, batch_size: 2}\ntrain:\n  <<: *b\n  steps: 5\n")["train"] == \
         {"steps": 5, "batch_size": 2}
 
 
