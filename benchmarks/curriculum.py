@@ -17,21 +17,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
 import materl as ml  # noqa: E402
-from reasoning_gym_curriculum import build, run  # noqa: E402
+from reasoning_gym_curriculum import ToolPrompted, build, run  # noqa: E402
 from materl.runtime.evaluate import evaluate_compiled  # noqa: E402
 
 
-def probe(tasks: list[str], *, n: int, max_new_tokens: int, shots: int) -> None:
+def probe(tasks: list[str], *, n: int, max_new_tokens: int, shots: int, tools: bool) -> None:
     print("| task | levels | accuracy at level 0 | accuracy at the hardest level |")
     print("|---|---|---|---|")
     for name in tasks:
-        task = ml.ReasoningGymTask(name, seed=0, shots=shots)
-        step = build(task, model="smollm2-135m-instruct", group_size=1, max_new_tokens=max_new_tokens, lr=0.0, seed=0)
+        task = (ml.ReasoningGymTask(name, seed=0, shots=0, instruction=None) if tools
+                else ml.ReasoningGymTask(name, seed=0, shots=shots))
+        step = build(task, model="smollm2-135m-instruct", group_size=1, max_new_tokens=max_new_tokens, lr=0.0, seed=0,
+                     tools=tools)
+        task = ToolPrompted(task) if tools else task
         try:
             acc = [evaluate_compiled(step, task.rows(n, seed=10_000, level=lv)).get("accuracy", 0.0)
                    for lv in (0, task.levels - 1)]
@@ -53,9 +57,11 @@ def main() -> int:
     p.add_argument("--test-size", type=int, default=32)
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--shots", type=int, default=1, help="worked examples before each question (ReasoningGymTask)")
+    p.add_argument("--tools", action="store_true", help="the calculator tool, grpo_tools (the example's --tools)")
     args = p.parse_args()
     if args.probe:
-        probe(args.probe.split(","), n=args.test_size, max_new_tokens=args.max_new_tokens, shots=args.shots)
+        probe(args.probe.split(","), n=args.test_size, max_new_tokens=args.max_new_tokens, shots=args.shots,
+              tools=args.tools)
         return 0
     hardest = ml.ReasoningGymTask(args.task).levels - 1
     print(f"| seed | arm | accuracy before | accuracy after | trained tokens | last level | wall s |")
@@ -64,10 +70,11 @@ def main() -> int:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in ("curriculum", "fixed"):
             t0 = time.perf_counter()
-            r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
-                    max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
-                    shots=args.shots, fixed_level=hardest if arm == "fixed" else None, run_dir=f"runs/bench_curriculum/{arm}-{seed}",
-                    curriculum=ml.Curriculum(raise_above=0.5, lower_below=0.1, window=args.window))
+            with tempfile.TemporaryDirectory(prefix=f"{arm}-{seed}-") as run_dir:  # ~2 GB of checkpoints a run
+                r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
+                        max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
+                        shots=args.shots, tools=args.tools, fixed_level=hardest if arm == "fixed" else None,
+                        run_dir=run_dir, curriculum=ml.Curriculum(raise_above=0.5, lower_below=0.1, window=args.window))
             last = r["history"][-1].get("curriculum/level", float(hardest))
             after[arm].append(r["accuracy_after"])
             print(f"| {seed} | {arm} | {r['accuracy_before']:.3f} | {r['accuracy_after']:.3f} | "

@@ -2,6 +2,7 @@
 
     python examples/reasoning_gym_curriculum.py                  # SmolLM2 on 2 CPU cores (minutes)
     python examples/reasoning_gym_curriculum.py --fixed-level 4  # the same budget at one fixed level
+    python examples/reasoning_gym_curriculum.py --tools          # the same with the calculator tool (grpo_tools)
     python examples/reasoning_gym_curriculum.py --tiny           # the tiny random model, 2 steps (CI)
 
 The task (``basic_arithmetic`` by default, any name from ``reasoning_gym`` works) comes from
@@ -30,25 +31,74 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 import materl as ml  # noqa: E402
 from materl.recipes import grpo  # noqa: E402
+from materl.recipes.grpo_tools import grpo_tools_recipe  # noqa: E402
 from materl.runtime.evaluate import evaluate_compiled  # noqa: E402
 
+TOOL_SYSTEM = ('Use the calculate tool: reply with <tool_call>{"name": "calculate", "arguments": '
+               '{"expression": "..."}}</tool_call>, then give its result between <answer> and </answer>.')
 
-def build(task: ml.ReasoningGymTask, *, model: str, group_size: int, max_new_tokens: int, lr: float, seed: int):
-    recipe = ml.replace(grpo, "rewards", lambda g: task.reward())
-    return ml.compile(recipe, policy=ml.Agent(model, trainable=True), ref_policy=ml.Agent(model),
-                      group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, temperature=1.0, seed=seed)
+
+def _tool_example(question: str, expression: str, result: str) -> list[dict]:
+    call = json.dumps({"name": "calculate", "arguments": {"expression": expression}})
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+            {"role": "tool", "content": result}, {"role": "assistant", "content": f"<answer>{result}</answer>"}]
+
+
+class ToolPrompted:
+    """A knobbed task whose questions follow two worked tool calls (``calculate``) instead of the
+    task's own worked answers and instruction; levels, scorer and rows are the task's (a
+    ``Knobbed`` dataset)."""
+
+    def __init__(self, task: ml.ReasoningGymTask):
+        if task.shots or task.instruction:
+            raise ValueError("ToolPrompted replaces the worked examples and the instruction (the system prompt "
+                             "asks for the call and the tags): build the task with shots=0, instruction=None")
+        self.task, self.levels, self.score_key = task, task.levels, task.score_key
+        self.example = (_tool_example("Calculate -( 12 * 7 ) + 5.", "-( 12 * 7 ) + 5", "-79")
+                        + _tool_example("Calculate ( 8 - 23 ) * -4 + 615.", "( 8 - 23 ) * -4 + 615", "675"))
+
+    def rows(self, n: int, **kw) -> list[dict]:
+        return [self._prompted(r) for r in self.task.rows(n, **kw)]
+
+    def rows_at(self, level: int, n: int, *, seed: int) -> list[dict]:
+        return [self._prompted(r) for r in self.task.rows_at(level, n, seed=seed)]
+
+    def _prompted(self, row: dict) -> dict:
+        return {**row, "prompt": [*self.example, {"role": "user", "content": row["prompt"]}]}
+
+    def __repr__(self) -> str:
+        return f"ToolPrompted({self.task!r})"
+
+
+def build(task: ml.ReasoningGymTask, *, model: str, group_size: int, max_new_tokens: int, lr: float, seed: int,
+          tools: bool = False):
+    if not tools:
+        recipe = ml.replace(grpo, "rewards", lambda g: task.reward())
+        return ml.compile(recipe, policy=ml.Agent(model, trainable=True), ref_policy=ml.Agent(model),
+                          group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, temperature=1.0, seed=seed)
+    recipe = grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"), turns=2, show_schemas=False,
+                               format_as_step=False, format_needs_success=True)
+    recipe = ml.replace(recipe, "rewards", lambda g: task.reward() + ml.reward("tool_success", weight=0.2))
+    return ml.compile(recipe, policy=ml.Agent(model, trainable=True), group_size=group_size,
+                      max_new_tokens=max_new_tokens, lr=lr, temperature=0.7, system_prompt=TOOL_SYSTEM, max_turns=2,
+                      seed=seed)
 
 
 def run(*, task_name: str = "basic_arithmetic", model: str = "smollm2-135m-instruct", steps: int = 30,
         batch_size: int = 4, group_size: int = 4, max_new_tokens: int = 24, lr: float = 2e-5, seed: int = 0,
         fixed_level: int | None = None, test_size: int = 32, curriculum: ml.Curriculum | None = None,
-        run_dir: str = "runs/reasoning_gym_curriculum", progress: bool = False, shots: int = 1) -> dict:
+        run_dir: str = "runs/reasoning_gym_curriculum", progress: bool = False, shots: int = 1,
+        tools: bool = False) -> dict:
     """Train with the curriculum (or at ``fixed_level``) and return held-out accuracy at the
     hardest level before and after, with the per-step history."""
-    task = ml.ReasoningGymTask(task_name, seed=seed, shots=shots)
+    task = (ml.ReasoningGymTask(task_name, seed=seed, shots=0, instruction=None) if tools
+            else ml.ReasoningGymTask(task_name, seed=seed, shots=shots))
+    step = build(task, model=model, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, seed=seed,
+                 tools=tools)
+    if tools:
+        task = ToolPrompted(task)
     hardest = task.levels - 1
     held_out = task.rows(test_size, seed=seed + 10_000, level=hardest)
-    step = build(task, model=model, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, seed=seed)
     try:
         before = evaluate_compiled(step, held_out)
         if fixed_level is None:
@@ -80,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fixed-level", type=int, default=None, help="train at this level instead of the curriculum")
     p.add_argument("--run-dir", default="runs/reasoning_gym_curriculum")
+    p.add_argument("--tools", action="store_true", help="the calculator tool and the multi-turn tool recipe")
     p.add_argument("--tiny", action="store_true", help="the tiny random model, 2 steps (a smoke run for CI)")
     args = p.parse_args(argv)
     kw = dict(task_name=args.task, steps=args.steps, seed=args.seed, fixed_level=args.fixed_level,
-              run_dir=args.run_dir)
+              run_dir=args.run_dir, tools=args.tools)
     if args.tiny:
         kw.update(model="tiny-random", steps=2, batch_size=2, group_size=2, max_new_tokens=6, lr=1e-3, test_size=4,
                   curriculum=ml.Curriculum(raise_above=0.5, lower_below=0.1, window=2, pool_size=16))

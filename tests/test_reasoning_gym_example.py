@@ -37,3 +37,25 @@ def test_one_curriculum_step_of_smollm2(tmp_path):
                                           run_dir=str(tmp_path), curriculum=ml.Curriculum(window=4, pool_size=8))
     (h,) = result["history"]
     assert h["curriculum/level"] == 0.0 and h["episodes"] == 4.0 and "reward/reasoning_gym/mean" in h
+
+
+def test_tool_prompted_rows_put_two_worked_calculator_calls_before_the_tasks_question():
+    sys.path.insert(0, str(ROOT / "examples"))
+    import materl as ml
+    from reasoning_gym_curriculum import ToolPrompted
+
+    task = ml.ReasoningGymTask("basic_arithmetic", seed=3, shots=0, instruction=None)
+    wrapped = ToolPrompted(task)
+    assert (wrapped.levels, wrapped.score_key) == (5, "reward/reasoning_gym")
+    plain, rows = task.rows_at(2, 3, seed=7), wrapped.rows_at(2, 3, seed=7)
+    for p, r in zip(plain, rows):
+        *example, question = r["prompt"]
+        assert question == {"role": "user", "content": p["prompt"]} and r["rg_entry"] == p["rg_entry"]
+        assert [t["role"] for t in example] == ["user", "assistant", "tool", "assistant"] * 2
+        calls = [json.loads(t["content"].split("\n")[1]) for t in example if t["role"] == "assistant" and "call" in t["content"]]
+        results = [t["content"] for t in example if t["role"] == "tool"]
+        assert [c["arguments"]["expression"] for c in calls] == ["-( 12 * 7 ) + 5", "( 8 - 23 ) * -4 + 615"]
+        assert results == [str(-(12 * 7) + 5), str((8 - 23) * -4 + 615)]  # the worked results are right
+        assert [t["content"] for t in example[3::4]] == ["<answer>-79</answer>", "<answer>675</answer>"]
+    with pytest.raises(ValueError, match="shots=0, instruction=None"):
+        ToolPrompted(ml.ReasoningGymTask("basic_arithmetic", shots=1))
