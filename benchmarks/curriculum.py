@@ -2,6 +2,7 @@
 
     OMP_NUM_THREADS=2 python benchmarks/curriculum.py --probe basic_arithmetic,leg_counting   # pick a task
     OMP_NUM_THREADS=2 python benchmarks/curriculum.py --task basic_arithmetic --steps 30 --seeds 0,1,2
+    OMP_NUM_THREADS=1 python benchmarks/curriculum.py --task basic_arithmetic --tools --steps 12 --batch 2 --window 8 --max-new-tokens 64
 
 ``--probe``: greedy held-out accuracy of the untrained model at level 0 and at the hardest level
 of each task (the benchmark wants a task that starts below 30% at the hardest level and is
@@ -10,6 +11,7 @@ group and max_new_tokens, trained once with ``ml.Curriculum`` from level 0 and o
 hardest level (the fixed difficulty), each evaluated greedily on the same held-out rows at the
 hardest level before and after. Printed: one markdown row per run and the mean over seeds, with
 the trained tokens of each arm (the budgets are equal in steps; tokens are reported, not forced).
+``--tools``: the example's calculator variant (``grpo_tools``, two worked tool calls per prompt).
 """
 
 from __future__ import annotations
