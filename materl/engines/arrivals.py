@@ -1,7 +1,7 @@
 """Requests arriving from many episodes, and the one loop that drives an engine through them.
 
     await settle(lambda: len(pending))                 # "what arrives in one tick"
-    queue = Arrivals()                                   # in an engine
+    queue = Arrivals(RequestLimits.of(model))            # in an engine (what its prompts may hold)
     gen = await queue.serve(request, drive)              # in its ``generate``
 
 "One tick": the first arrival waits until a whole pass of the event loop's ready tasks brings no
@@ -27,7 +27,7 @@ import anyio
 import anyio.lowlevel
 
 from materl.engines.base import Generation, SamplingParams
-from materl.engines.sampling import check_request, request_seed
+from materl.engines.sampling import RequestLimits, check_request, request_seed
 from materl.errors import EngineError
 
 SETTLE_PASSES = 2  # loop passes without a new arrival before a tick's batch is closed
@@ -69,7 +69,8 @@ class Request:
 class Arrivals:
     """The waiting requests of one engine and who drives it (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, limits: RequestLimits = RequestLimits()):
+        self.limits = limits  # checked per request as it enters (check_request)
         self.waiting: list[Request] = []
         self.driver: Request | None = None
 
@@ -77,7 +78,7 @@ class Arrivals:
         """A checked request (``check_request``; default params; its seed, ``request_seed``) on
         the running event loop; forgets the requests of an event loop that is gone."""
         params = params or SamplingParams()
-        prompt_ids = check_request(prompt_ids, params)
+        prompt_ids = check_request(prompt_ids, params, limits=self.limits)
         token = anyio.lowlevel.current_token()
         if self.driver is not None and self.driver.token != token:
             self.driver = None

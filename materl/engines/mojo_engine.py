@@ -57,7 +57,7 @@ from materl.engines.base import ENGINES, Generation, SamplingParams
 from materl.engines.mojo_forward import MojoForward, Row, new_cache
 from materl.engines.mojo_model import ModelTable
 from materl.engines.mojo_prefix import PrefixPool, common_prefix
-from materl.engines.sampling import StopRule, counter_uniforms, eos_ids, seed_words
+from materl.engines.sampling import RequestLimits, StopRule, counter_uniforms, eos_ids, seed_words
 from materl.errors import ConfigError, EngineError, KernelError
 from materl.kernels import loader
 
@@ -156,7 +156,7 @@ class MojoEngine:
         self._params: list | None = None
         self._weights_seen: tuple | None = None
         self._epoch = 0  # bumped whenever the weights change: caches of older epochs are not shared
-        self.arrivals = Arrivals()  # event-loop side
+        self.arrivals = Arrivals(RequestLimits.of(model))  # event-loop side
         self._running: list[_Seq] = []  # compute-thread side (touched only inside a step)
         self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
 

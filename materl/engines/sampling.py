@@ -1,6 +1,6 @@
 """What every in-process engine shares: request checks, seeds, stop rules and per-row sampling.
 
-    ids = check_request(prompt_ids, params)          # ConfigError / EngineError on bad input
+    ids = check_request(prompt_ids, params, limits=RequestLimits.of(model))  # ConfigError / EngineError on bad input
     rule = StopRule(params, eos, tokenizer)          # eos ids, stop_token_ids, stop strings, length
     tokens_B, logprobs_B = sample_tokens(logits_B_V, uniform_B, temperature_B=..., ...)
 
@@ -25,8 +25,23 @@ from materl.engines.hf import causal_lm_of
 from materl.errors import ConfigError, EngineError
 
 
-def check_request(prompt_ids, params: SamplingParams) -> list[int]:
-    """The prompt as a list of ints, after checking it and ``params``."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one model accepts: token ids ``0 .. vocab_size - 1`` and at most ``max_positions``
+    positions (prompt and completion; None: no limit known). A prompt outside them is refused
+    when it enters, alone, so it never reaches a batch that other requests share."""
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+    @classmethod
+    def of(cls, model) -> RequestLimits:
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        rows = getattr(embed, "num_embeddings", None) or getattr(model.config, "vocab_size", None)
+        return cls(vocab_size=rows, max_positions=getattr(model.config, "max_position_embeddings", None))
+
+
+def check_request(prompt_ids, params: SamplingParams, *, limits: RequestLimits = RequestLimits()) -> list[int]:
+    """The prompt as a list of ints, after checking it (against ``limits``) and ``params``."""
     if not isinstance(params, SamplingParams):
         raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
     ids = [int(t) for t in prompt_ids]
@@ -40,6 +55,14 @@ def check_request(prompt_ids, params: SamplingParams) -> list[int]:
         raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+    if limits.vocab_size is not None:
+        at = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
+        if at is not None:
+            raise EngineError(f"prompt token id {ids[at]} at position {at} is outside the model's vocabulary "
+                              f"(ids 0..{limits.vocab_size - 1})")
+    if limits.max_positions is not None and len(ids) >= limits.max_positions:
+        raise EngineError(f"the prompt has {len(ids)} tokens; the model's context holds {limits.max_positions} "
+                          f"positions, so at most {limits.max_positions - 1} prompt tokens leave room to generate")
     return ids
 
 

@@ -60,7 +60,7 @@ from materl.engines.kv_cache import decode_cache
 from materl.engines.hf import cache_kwargs, causal_lm_of
 from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
-    StopRule, eos_ids, sample_rows, sample_tokens, top_k_top_p_filter,
+    RequestLimits, StopRule, eos_ids, sample_rows, sample_tokens, top_k_top_p_filter,
 )
 from materl.errors import ConfigError
 
@@ -143,7 +143,7 @@ class TransformersEngine:
         # Held while a decode runs; a learner that updates the same model in another thread
         # while rollouts continue should hold it around optimizer.step().
         self.model_lock = threading.Lock()
-        self.arrivals = Arrivals()
+        self.arrivals = Arrivals(RequestLimits.of(model))
         self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
         self.eos_ids = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id

@@ -260,6 +260,26 @@ async def test_bad_requests_fail_with_the_value_received(engine):
     assert empty.token_ids == [] and empty.finish_reason == "length"
 
 
+async def test_a_prompt_the_model_cannot_read_fails_alone_not_the_batch_it_arrives_with(engine, tiny):
+    # token ids outside the vocabulary (a client may send ids) and a prompt that fills the context
+    # arrive together with good requests: each bad one fails by itself, naming what was wrong, and
+    # the good ones are served as if it had not come (the same tokens as alone)
+    model = tiny[0]
+    vocab, context = model.get_input_embeddings().num_embeddings, model.config.max_position_embeddings
+    alone = await engine.generate([104, 105], SamplingParams(max_new_tokens=4, seed=3))
+    good = [engine.generate([104, 105], SamplingParams(max_new_tokens=4, seed=3)) for _ in range(2)]
+    bad = [engine.generate(ids, SamplingParams(max_new_tokens=4, seed=1))
+           for ids in ([104, vocab + 5], [-1], [104] * context)]
+    results = await asyncio.gather(*good, *bad, return_exceptions=True)
+    assert [r.token_ids for r in results[:2]] == [alone.token_ids] * 2
+    assert all(isinstance(r, EngineError) for r in results[2:]), results[2:]
+    assert f"token id {vocab + 5} at position 1" in str(results[2]) and f"ids 0..{vocab - 1}" in str(results[2])
+    assert "token id -1 at position 0" in str(results[3])
+    assert f"the prompt has {context} tokens" in str(results[4]) and f"holds {context} positions" in str(results[4])
+    longest = await engine.generate([104] * (context - 1), SamplingParams(max_new_tokens=1, seed=0))
+    assert len(longest.token_ids) == 1  # one position left: still served
+
+
 def test_engine_works_across_event_loops(engine):
     # step.run() calls asyncio.run() once per step: the engine must not hold on to a dead loop
     a = asyncio.run(engine.generate([104], SamplingParams(max_new_tokens=3, seed=5)))
