@@ -185,7 +185,7 @@ async def test_batches_close_when_the_loop_has_nothing_ready_not_by_the_clock(ti
         return await engine.generate([104 + i], SamplingParams(max_new_tokens=3, seed=i))
 
     async def after_io(i: int):
-        await anyio.sleep(0.05)
+        await anyio.sleep(0.25)  # far longer than a few loop passes, even on a loaded machine
         return await engine.generate([104 + i], SamplingParams(max_new_tokens=3, seed=i))
 
     gens = await asyncio.gather(*[after_passes(i, i) for i in range(5)], after_io(9))
