@@ -131,7 +131,7 @@ def make_plan(recipe: Recipe, agents: dict[str, Any], options: CompileOptions, *
         raise CompileError(
             f"compile: {recipe.where} needs agent(s) {', '.join(missing)}; got {', '.join(agents) or 'none'}"
         )
-    _check(recipe, {n: nodes[n] for n in keep}, agents)
+    _check(recipe, {n: nodes[n] for n in keep}, agents, options)
     order = [n for n in topo_order(recipe) if n in keep]
     plan = Plan(recipe, options, nodes, order, pruned=[n.name for n in recipe.nodes if n.name not in keep])
     _partition(plan, agents)
@@ -143,9 +143,9 @@ def make_plan(recipe: Recipe, agents: dict[str, Any], options: CompileOptions, *
     return plan
 
 
-def _check(recipe: Recipe, nodes: dict[str, Node], agents: dict[str, Any]) -> None:
+def _check(recipe: Recipe, nodes: dict[str, Node], agents: dict[str, Any], options: CompileOptions) -> None:
     """Every op kind's wiring checks and agent requirements, all problems in one error."""
-    info = RecipeInfo(nodes, agents)
+    info = RecipeInfo(nodes, agents, options)
     problems: list[str] = []
     for node in nodes.values():
         spec = spec_of(node)

@@ -175,6 +175,7 @@ class RecipeInfo:
 
     nodes: Mapping[str, Node]
     agents: Mapping[str, Any] = field(default_factory=dict)
+    options: Any = None  # the CompileOptions the recipe is compiled with (None: not known)
 
     def producer(self, ref: str) -> Node | None:
         return self.nodes.get(ref.split(".", 1)[0])

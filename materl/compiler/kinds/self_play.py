@@ -46,12 +46,9 @@ async def self_play_episode(run: StageEnv, node: Node, ep: Episode, prompt) -> R
     system = run.options.system_prompt
     if len(node.agents) > 1:
         return await _against(run, node, ep, seat=member % 2, seed=seed, max_moves=max_moves)
-    if size % 2:
-        raise CompileError(f"self_play {node.name!r} with both seats trained needs an even group_size (two seats "
-                           f"per game), got group_size={size}")
-    if run.options.max_concurrent_episodes < 2:
-        raise CompileError(f"self_play {node.name!r} with both seats trained needs max_concurrent_episodes >= 2 (the "
-                           f"two seats of a game play at once), got {run.options.max_concurrent_episodes}")
+    problems = _both_seats_problems(node, size, run.options.max_concurrent_episodes)
+    if problems:  # checked when compiled too; here for a rollout called with another group_size
+        raise CompileError(problems[0])
     game_no, seat = divmod(member, 2)
     key = (run.ctx.rollout_id, ep.group, game_no)
     match = _OPEN.pop(key, None)
@@ -85,6 +82,25 @@ async def _against(run: StageEnv, node: Node, ep: Episode, *, seat: int, seed: i
     return _record(ep, out["rollout"], match, seat)
 
 
+def _both_seats_problems(node: Node, group_size: int, max_concurrent_episodes: int) -> list[str]:
+    if len(node.agents) > 1:
+        return []
+    out = []
+    if group_size % 2:
+        out.append(f"self_play {node.name!r} with both seats trained needs an even group_size (two seats per "
+                   f"game), got group_size={group_size}")
+    if max_concurrent_episodes < 2:
+        out.append(f"self_play {node.name!r} with both seats trained needs max_concurrent_episodes >= 2 (the two "
+                   f"seats of a game play at once), got {max_concurrent_episodes}")
+    return out
+
+
+def check_self_play(node: Node, info) -> list[str]:
+    """Compile time: both seats trained need an even group and two episodes at once."""
+    o = info.options
+    return [] if o is None else _both_seats_problems(node, o.group_size, o.max_concurrent_episodes)
+
+
 def _record(ep: Episode, rollout: Rollout | None, match: Match, seat: int) -> Rollout:
     if rollout is None:  # nothing sampled, nothing to train: the episode fails, the step goes on
         raise EpisodeError(f"seat {seat} never moved: the game ended before its first turn "
@@ -99,6 +115,6 @@ def _record(ep: Episode, rollout: Rollout | None, match: Match, seat: int) -> Ro
 
 SPECS = (
     OpSpec("self_play", Role.ROLLOUT, (Output("rollout", Kind.ROLLOUT),),
-           (Impl("engine", episode=self_play_episode),), locality="episode",
+           (Impl("engine", episode=self_play_episode),), locality="episode", check=check_self_play,
            doc="one seat of a two-player text game per episode (both seats trained, or against an opponent)"),
 )
