@@ -12,8 +12,9 @@ every ``nn.Linear`` (and every peft LoRA layer, as one Linear with ``W + scale *
 packed copy and its ``forward`` is pointed at oneDNN's linear inside ``installed``.
 
 Copies are cached across decode batches and rebuilt when a source tensor changed (keyed on
-each tensor's storage pointer and torch's in-place version counter, which optimizer steps and
-``load_state_dict`` bump), so a multi-turn rollout packs once per weight update. They cost one
+each tensor's storage pointer, torch's in-place version counter, which ``load_state_dict`` and
+unfused optimizer steps bump, and the optimizer steps run over it, which a fused step does not
+bump: ``weights_seen.change_key``), so a multi-turn rollout packs once per weight update. They cost one
 extra copy of the linear weights while they live: the engine drops the copies of trainable
 weights when the rollout stage ends (``TransformersEngine.sleep``), as the learner is about to
 change them. Copies of frozen weights (a LoRA policy's base MLPs and LM head, a reference model)
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from materl.engines.models import lora_merged, merged_lora_weight, peft_lora_layer_type
+from materl.engines.weights_seen import change_key
 
 
 def packing_available() -> bool:
@@ -112,7 +114,7 @@ class DecodeWeights:
         return tensors
 
     def _packed(self, module: nn.Module) -> tuple[Tensor, Tensor | None]:
-        key = tuple((t.data_ptr(), t._version) for t in self._sources(module))
+        key = change_key(self._sources(module))
         hit = self._cache.get(id(module))
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]

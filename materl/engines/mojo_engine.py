@@ -58,6 +58,7 @@ from materl.engines.mojo_forward import MojoForward, Row, new_cache
 from materl.engines.mojo_model import ModelTable
 from materl.engines.mojo_prefix import PrefixPool, common_prefix
 from materl.engines.sampling import RequestLimits, StopRule, counter_uniforms, eos_ids, seed_words
+from materl.engines.weights_seen import change_key
 from materl.errors import ConfigError, EngineError, KernelError
 from materl.kernels import loader
 
@@ -200,8 +201,8 @@ class MojoEngine:
         """The forward reads the agent's parameters in place, so an in-place update needs no copy;
         the next step re-reads which tensors the model holds, re-merges the LoRA layers whose
         weights changed (``mojo_model.ModelTable``) and forgets cached prefixes. (Each step also
-        checks every parameter's storage and version, so a change made without this call is
-        seen too.)"""
+        checks every parameter's storage, version and optimizer steps (``weights_seen``), so a
+        change made without this call, a fused optimizer's step included, is seen too.)"""
         self.table.invalidate()
         self.pool.clear()
         self._params = None
@@ -263,7 +264,7 @@ class MojoEngine:
         from idle, which is when a parameter object can have been replaced."""
         if self._params is None or not self._running:
             self._params = list(self.model.parameters())
-        seen = tuple((p.data_ptr(), p._version) for p in self._params)
+        seen = change_key(self._params)
         if seen != self._weights_seen:
             self.table.invalidate()
             self.pool.clear()

@@ -11,9 +11,9 @@ Weights are read in place: a float32, contiguous CPU parameter's own storage goe
 next forward with nothing copied. A copy is made only where the layout does not allow reading
 in place: a peft LoRA layer (one merged weight ``W + scale * B @ A`` per layer, as
 ``decode_weights.py`` does for the transformers engine) or a tensor that is not float32 and
-contiguous. Copies are keyed on their sources' storage pointers and in-place version counters
-and rebuilt only when one of those changed, so after a learner update only the layers whose
-weights changed are merged again. The table is re-read from the model after ``invalidate()``
+contiguous. Copies are keyed on their sources' storage pointers, in-place version counters and
+optimizer steps (``weights_seen.change_key``) and rebuilt only when one of those changed, so
+after a learner update only the layers whose weights changed are merged again. The table is re-read from the model after ``invalidate()``
 (the engine calls it from ``sync_weights``, ``sleep`` and whenever a batch starts from idle),
 not every step: walking ~250 tensors costs milliseconds. ``clear()`` drops the copies of
 trainable weights (the engine's ``sleep``); copies of frozen weights stay.
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from materl.engines.hf import causal_lm_of
 from materl.engines.models import merged_lora_weight, peft_lora_layer_type
+from materl.engines.weights_seen import change_key
 from materl.errors import EngineError
 
 # Table layout: mirrors the M_* constants of kernels/llama_engine.mojo.
@@ -186,7 +187,7 @@ class ModelTable:
         return self._address(module.weight), bias
 
     def _copy(self, owner, sources: list[Tensor], make) -> tuple[Tensor, Tensor | None]:
-        key = tuple((t.data_ptr(), t._version) for t in sources)
+        key = change_key(sources)
         hit = self._copied.get(id(owner))
         if hit is not None and hit[0] == key:
             return hit[1], hit[2]

@@ -62,6 +62,7 @@ from materl.engines.static_decode import StaticDecoder, left_pad as _left_pad
 from materl.engines.sampling import (  # noqa: F401  (sample_tokens, top_k_top_p_filter: re-exported)
     RequestLimits, StopRule, eos_ids, sample_rows, sample_tokens, top_k_top_p_filter,
 )
+from materl.engines.weights_seen import change_key
 from materl.errors import ConfigError
 
 
@@ -144,6 +145,7 @@ class TransformersEngine:
         # while rollouts continue should hold it around optimizer.step().
         self.model_lock = threading.Lock()
         self.arrivals = Arrivals(RequestLimits.of(model))
+        self._weights_key: tuple | None = None  # the parameters' change_key at the last decode
         self.weights_version = 0  # the policy version of the weights it decodes with (recorded per generation)
         self.eos_ids = eos_ids(model, tokenizer)
         pad = tokenizer.pad_token_id
@@ -253,6 +255,7 @@ class TransformersEngine:
     def _decoding(self):
         """The model that decodes (``_decode_model``) in eval mode, under no_grad and the
         engine's lock, timed into ``stats.decode_s``."""
+        self._see_weight_changes()
         lm = self._decode_model(causal_lm_of(self.model))
         start = time.perf_counter()
         with self.model_lock, self.decode_weights.installed(lm):
@@ -275,6 +278,15 @@ class TransformersEngine:
         s.tokens += sum(len(g.token_ids) for g in gens)
         s.largest_batch = max(s.largest_batch, len(batch))
         return gens
+
+    def _see_weight_changes(self) -> None:
+        """``sync_weights`` when the parameters changed since the last decode without it being
+        called (``weights_seen.change_key``: a fused optimizer step bumps no version counter),
+        so no kept cache or low-precision copy of the old weights is decoded with."""
+        key = change_key(self.model.parameters())
+        if self._weights_key is not None and key != self._weights_key:
+            self.sync_weights()
+        self._weights_key = key
 
     def _decode_model(self, lm):
         """What decodes: ``lm`` itself, or on CUDA with a bf16/fp16 ``dtype`` over fp32 weights a

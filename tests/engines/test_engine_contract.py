@@ -280,6 +280,26 @@ async def test_a_prompt_the_model_cannot_read_fails_alone_not_the_batch_it_arriv
     assert len(longest.token_ids) == 1  # one position left: still served
 
 
+@pytest.mark.parametrize("kind", IN_PROCESS)
+async def test_a_fused_optimizer_step_is_seen_without_sync_weights(kind):
+    # AdamW(fused=True) writes the parameters without bumping their version counter; the engine's
+    # cached prompt prefixes (Mojo) and packed or merged weight copies must still be dropped, so
+    # the next generation is the one a fresh engine gives on the new weights
+    model, tok = load_model("tiny-random")
+    model.eval()
+    engine = in_process_engine(kind, model, tok)
+    prompt, greedy = [104, 105, 106, 107, 108], SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = await engine.generate(prompt, greedy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    versions = [p._version for p in model.parameters()]
+    model(torch.tensor([prompt])).logits[0, -1, before.token_ids[0]].backward()  # away from the old argmax
+    optimizer.step()
+    assert [p._version for p in model.parameters()] == versions  # what the engine could not see before
+    after = await engine.generate(prompt, greedy)
+    fresh = await in_process_engine(kind, model, tok).generate(prompt, greedy)
+    assert fresh.token_ids != before.token_ids and after.token_ids == fresh.token_ids
+
+
 def test_engine_works_across_event_loops(engine):
     # step.run() calls asyncio.run() once per step: the engine must not hold on to a dead loop
     a = asyncio.run(engine.generate([104], SamplingParams(max_new_tokens=3, seed=5)))
