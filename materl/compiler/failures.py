@@ -166,13 +166,19 @@ INFRA_ERROR_KINDS = ("timeout", "crash", "protocol", "unavailable")
 INFRA_POLICIES = ("mask", "keep")
 
 
+_TURNS = (TurnResult, EpisodeState)  # values holding a rollout
+_HOLDERS = (dict, Rollout, *_TURNS)  # values that may hold tool results (dict: a node's named outputs)
+
+
 def tool_results(episode: Any) -> list[ToolResult]:
-    """Every tool result of an episode (each once, from whichever of its stored rollouts has it)."""
+    """Every tool result of an episode (each once, from whichever of its stored rollouts has it).
+    Other values are skipped with one type check."""
     seen: dict[int, ToolResult] = {}
     for value in episode.values.values():
-        values = value.values() if isinstance(value, dict) else [value]
-        for v in values:
-            if isinstance(v, (TurnResult, EpisodeState)):
+        if not isinstance(value, _HOLDERS):
+            continue
+        for v in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(v, _TURNS):
                 v = v.rollout
             if isinstance(v, Rollout):
                 for r in v.tool_results:
@@ -263,8 +269,12 @@ def mark_infra_failure(episode: Any, policy: str) -> None:
     """Set ``episode.infra`` to its first infrastructure failure's kind; with ``"mask"``, leave it out."""
     if getattr(episode, "infra_raised", False):
         return  # already marked by mark_outage
-    kinds = [r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS]
-    episode.infra = kinds[0] if kinds else None
+    episode.infra = None
+    for value in episode.values.values():  # once per episode: walk its tool results only if it may have any
+        if isinstance(value, _HOLDERS):
+            episode.infra = next((r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS),
+                                 None)
+            break
     if episode.infra is not None and policy == "mask" and episode.error is None:
         episode.excluded = f"tool infrastructure failure ({episode.infra})"
 

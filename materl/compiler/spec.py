@@ -63,7 +63,8 @@ class Output:
 class Impl:
     """One way to run an op kind.
 
-    ``episode(run, node, ep, *inputs)``: async, one episode. ``batch(run, node, eps, inputs)``:
+    ``episode(run, node, ep, *inputs)``: one episode; may be async (returns its value or an
+    awaitable of it). ``batch(run, node, eps, inputs)``:
     several episodes at once, ``inputs`` holding per input the list of per-episode values; may be
     async. Learner stage: ``prepare(learner, node)`` gives a forward's no-gradient (B, T) value
     once per batch; ``learn(learner, node, rows, get, denoms)`` gives ``(value, metrics)`` for
@@ -80,6 +81,10 @@ class Impl:
     learn: Callable | None = None
     when: Callable[[Node, CompileOptions], str | None] = lambda node, options: None
     kernel: bool = False
+    # ``direct(node)``: a function of the node's episode inputs alone (positional) that does what
+    # ``episode`` does for that node, returning its value or an awaitable; None where there is none.
+    # The scheduler then calls it instead of ``episode`` (no wrapper call per node per episode).
+    direct: Callable[[Node], Callable | None] | None = None
 
 
 NOT_FOR = "not for this node"  # a ``when`` reason: the implementation does not apply (never an error)

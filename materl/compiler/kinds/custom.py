@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from types import FunctionType
 from typing import Any
 
 from materl.compiler.context import StageEnv
@@ -24,11 +26,31 @@ def _name(node: Node) -> str:
     return node.params["fn"].__name__
 
 
-async def call_episode(run: StageEnv, node: Node, ep: Episode, *inputs):
+def call_episode(run: StageEnv, node: Node, ep: Episode, *inputs):
+    """The op's value, or for an async op an awaitable of it: the op's own coroutine when it
+    declares no outputs to check (no wrapper coroutine per node per episode)."""
     out = node.params["fn"](**_args(node, inputs))
     if hasattr(out, "__await__"):
-        out = await out
+        return _checked(node, out) if node.outputs else out
     return _check_outputs(node, out)
+
+
+async def _checked(node: Node, out):
+    return _check_outputs(node, await out)
+
+
+def direct_episode(node: Node) -> Callable | None:
+    """The op's own function, when calling it with the node's inputs positionally binds them as
+    ``call_episode``'s keywords do and its value needs no check: a plain Python function whose
+    first parameters (none positional-only) are the inputs in order, no constants, no declared
+    outputs. ``Impl.direct`` of the Python implementation."""
+    fn = node.params["fn"]
+    if node.outputs or node.params["_consts"] or type(fn) is not FunctionType:
+        return None
+    code, names = fn.__code__, tuple(node.params["_args"])
+    if code.co_posonlyargcount or len(names) > code.co_argcount or code.co_varnames[:len(names)] != names:
+        return None
+    return fn
 
 
 def call_group(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list]):
@@ -86,7 +108,8 @@ def _locality(node: Node) -> str:
 
 SPECS = (
     OpSpec("call", Role.CUSTOM, (Output("value", Kind.OBJECT),), (
-        Impl("python", episode=call_episode, batch=call_group, learn=call_learn, when=_python),
+        Impl("python", episode=call_episode, batch=call_group, learn=call_learn, when=_python,
+             direct=direct_episode),
         Impl("mojo (user kernel)", episode=call_kernel_episode, batch=call_kernel_group, learn=call_learn,
              when=_user_kernel),
     ), locality=_locality, doc="a user's @ml.op / @ml.mojo_op function"),
