@@ -14,7 +14,7 @@ is a saving in model compute, not framework overhead) and both use fused AdamW; 
 through the same engine, and both tell it after each update that the weights changed
 (``sync_engine``; fused AdamW leaves the version counters the engine also checks unchanged). Both are warmed up, then run alternately (the first of each pair alternates too) for N rounds;
 the table shows medians of wall time and of process CPU time (all threads; steadier than wall
-time on a shared machine). Goal: compiled / reference <= 1.02.
+time on a shared machine). Goal (issue 38): compiled / reference <= 1.03.
 
 Then: the compiled step's scoring and bookkeeping pieces, each timed alone beside the
 reference's one reward call and one advantage call; and the scheduler's per-node overhead, measured with a recipe of K trivial async
@@ -54,6 +54,7 @@ from materl.recipes import grpo
 ROOT = Path(__file__).resolve().parents[1]
 SITE = str(Path(anyio.__file__).resolve().parents[1]) + "/"
 PROMPTS = ["Say something short.", "Answer briefly: 2+2?", "Name a colour.", "Count to three."]
+GOAL = 1.03  # compiled / reference, issue 38 item 5
 
 
 def load_reference():
@@ -167,10 +168,10 @@ def print_compare(res: dict, rounds: int) -> float:
     ratio = med(rows["compiled"]["step"]) / med(rows["reference"]["step"])
     cpu_ratio = med(rows["compiled"]["cpu"]) / med(rows["reference"]["cpu"])
     q = statistics.quantiles(res["ratios"], n=4)
-    print(f"\ncompiled / reference, wall (ratio of medians): {ratio:.3f}   (goal <= 1.02: "
-          f"{'met' if ratio <= 1.02 else 'MISSED'})")
-    print(f"compiled / reference, CPU  (ratio of medians): {cpu_ratio:.3f}   (goal <= 1.02: "
-          f"{'met' if cpu_ratio <= 1.02 else 'MISSED'})")
+    print(f"\ncompiled / reference, wall (ratio of medians): {ratio:.3f}   (goal <= {GOAL}: "
+          f"{'met' if ratio <= GOAL else 'MISSED'})")
+    print(f"compiled / reference, CPU  (ratio of medians): {cpu_ratio:.3f}   (goal <= {GOAL}: "
+          f"{'met' if cpu_ratio <= GOAL else 'MISSED'})")
     print(f"per-round wall ratio: median {med(res['ratios']):.3f}, quartiles {q[0]:.3f} .. {q[2]:.3f}")
     print("(rollout stage = sampling + rewards, incl. the engine's batch forming and thread hop; "
           "learner = reference forward + policy forward/backward + optimizer step; other = the rest of the step)")
@@ -338,7 +339,7 @@ def profile_compiled(steps: int, kernels: str) -> None:
     print("```")
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(r"materl/", 25)
-    print(f"\n## same profile, materl functions by cumulative time\n")
+    print("\n## same profile, materl functions by cumulative time\n")
     print("```")
     print("\n".join(line.replace(str(ROOT) + "/", "").replace(SITE, "") for line in out.getvalue().splitlines()
                     if line.strip()))
