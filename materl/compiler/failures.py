@@ -269,12 +269,7 @@ def mark_infra_failure(episode: Any, policy: str) -> None:
     """Set ``episode.infra`` to its first infrastructure failure's kind; with ``"mask"``, leave it out."""
     if getattr(episode, "infra_raised", False):
         return  # already marked by mark_outage
-    episode.infra = None
-    for value in episode.values.values():  # once per episode: walk its tool results only if it may have any
-        if isinstance(value, _HOLDERS):
-            episode.infra = next((r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS),
-                                 None)
-            break
+    episode.infra = next((r.error_kind for r in tool_results(episode) if r.error_kind in INFRA_ERROR_KINDS), None)
     if episode.infra is not None and policy == "mask" and episode.error is None:
         episode.excluded = f"tool infrastructure failure ({episode.infra})"
 

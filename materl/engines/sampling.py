@@ -55,11 +55,10 @@ def check_request(prompt_ids, params: SamplingParams, *, limits: RequestLimits =
         raise ConfigError(f"top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < 0:
         raise ConfigError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
-    if limits.vocab_size is not None:
-        at = next((i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size), None)
-        if at is not None:
-            raise EngineError(f"prompt token id {ids[at]} at position {at} is outside the model's vocabulary "
-                              f"(ids 0..{limits.vocab_size - 1})")
+    if limits.vocab_size is not None and not 0 <= min(ids) <= max(ids) < limits.vocab_size:  # C loops: a long prompt
+        at = next(i for i, t in enumerate(ids) if not 0 <= t < limits.vocab_size)
+        raise EngineError(f"prompt token id {ids[at]} at position {at} is outside the model's vocabulary "
+                          f"(ids 0..{limits.vocab_size - 1})")
     if limits.max_positions is not None and len(ids) >= limits.max_positions:
         raise EngineError(f"the prompt has {len(ids)} tokens; the model's context holds {limits.max_positions} "
                           f"positions, so at most {limits.max_positions - 1} prompt tokens leave room to generate")

@@ -243,3 +243,23 @@ def test_device_loop_keeps_an_episode_cache_on_cuda_in_bf16():
     second = _generate(engine, [first_prompt + first.token_ids + tok.encode(" ok")], [params])[0]
     assert second.metadata["reused"] == len(first_prompt) + len(first.token_ids) - 1
     assert 0 < len(second.token_ids) <= 6 and all(lp <= 0 for lp in second.logprobs)
+
+
+def _fused_step_is_seen(device: str) -> None:
+    """A fused AdamW step (no version counter bumped) without ``sync_weights``: the next greedy
+    generation is a fresh engine's on the new weights (no parked cache, no stale bf16 copy)."""
+    agent = ml.Agent("tiny-random", engine="transformers", device=device, trainable=True)
+    engine, tok, model = agent.engine, agent.tokenizer, agent.model
+    prompt, greedy = tok.encode("turn one"), SamplingParams(max_new_tokens=6, temperature=0.0)
+    before = _generate(engine, [prompt], [greedy])[0]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5, fused=True)
+    model(torch.tensor([prompt], device=device)).logits[0, -1, before.token_ids[0]].float().backward()
+    optimizer.step()
+    after = _generate(engine, [prompt], [greedy])[0]
+    fresh = _generate(TransformersEngine(model, tok, dtype=engine.dtype), [prompt], [greedy])[0]
+    assert fresh.token_ids != before.token_ids and after.token_ids == fresh.token_ids, (before, after, fresh)
+
+
+@pytest.mark.gpu
+def test_a_fused_optimizer_step_on_cuda_is_seen_without_sync_weights():
+    _fused_step_is_seen("cuda")  # the captured device loop over its bf16 copy (the CPU engines: test_engine_contract)
