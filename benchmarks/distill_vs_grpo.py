@@ -9,7 +9,9 @@ of the demo's GRPO recipe, the other the same recipe with the teacher's reverse-
 (``ml.with_distillation``, ``--weight``). Greedy held-out accuracy (32 questions, the demo's
 split) is measured every ``--eval-every`` steps; printed: per seed and method, the accuracy
 curve, and the first step at which each reaches the teacher's held-out accuracy, with the ratio
-GRPO steps / distillation steps (the issue's goal: distillation needs at most half).
+GRPO steps / distillation steps (the issue's goal: distillation needs at most half). A run stops
+at the first evaluation that reaches the teacher (``EarlyStopping(stop_at=...)``) unless
+``--full-curves``. ``--lr``: both methods' learning rate (default the demo's).
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ from materl.recipes.grpo_tools import grpo_tools_recipe  # noqa: E402
 from materl.runtime.evaluate import evaluate_compiled  # noqa: E402
 
 
-def options(seed: int) -> dict:
-    return dict(group_size=GROUP, max_new_tokens=MAX_NEW_TOKENS, lr=LR, temperature=TEMPERATURE, system_prompt=SYSTEM,
+def options(seed: int, lr: float = LR) -> dict:
+    return dict(group_size=GROUP, max_new_tokens=MAX_NEW_TOKENS, lr=lr, temperature=TEMPERATURE, system_prompt=SYSTEM,
                 max_turns=TURNS, seed=seed)
 
 
@@ -48,20 +50,23 @@ def teacher_accuracy(folder: str, test: list[dict]) -> float:
         step.close()
 
 
-def curve(method: str, teacher: str, seed: int, steps: int, eval_every: int, weight: float,
-          train_rows: int) -> list[tuple[int, float]]:
+def curve(method: str, teacher: str, seed: int, args: argparse.Namespace, target: float) -> list[tuple[int, float]]:
+    steps, train_rows = args.steps, args.train_rows
     train, test = train_test_split(train_rows, 32, seed=0)
     student = ml.Agent("smollm2-135m-instruct", trainable=True)
     if method == "distill":
-        step = ml.compile(distill_recipe(weight), policy=student, teacher=ml.Agent(teacher), **options(seed))
+        step = ml.compile(distill_recipe(args.weight), policy=student, teacher=ml.Agent(teacher),
+                          **options(seed, args.lr))
     else:
         recipe = grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"), turns=TURNS, show_schemas=False,
                                    format_as_step=False, format_needs_success=True)
-        step = ml.compile(recipe, policy=student, **options(seed))
+        step = ml.compile(recipe, policy=student, **options(seed, args.lr))
+    stopping = None if args.full_curves else ml.EarlyStopping(patience=steps + 1, stop_at=target)
     try:
         with tempfile.TemporaryDirectory(prefix=f"{method}-{seed}-") as run_dir:  # ~2 GB of checkpoints a run
             result = ml.train(step, as_chat(train), steps=steps, batch_size=BATCH, eval_dataset=as_chat(test),
-                              eval_every=eval_every, seed=seed, run_dir=run_dir, progress=False, tensorboard=False)
+                              eval_every=args.eval_every, seed=seed, run_dir=run_dir, progress=False,
+                              tensorboard=False, early_stopping=stopping)
     finally:
         step.close()
     return [(e["step"], e["eval/accuracy"]) for e in result["evals"]]
@@ -78,6 +83,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--eval-every", type=int, default=3)
     p.add_argument("--weight", type=float, default=1.0)
+    p.add_argument("--lr", type=float, default=LR, help="both methods' learning rate (default the demo's)")
+    p.add_argument("--full-curves", action="store_true", help="train all --steps, not only until the teacher")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--train-rows", type=int, default=12 * BATCH,
                    help="the training questions (the demo's 24), the same whatever --steps is, so that runs with "
@@ -90,12 +97,12 @@ def main() -> None:
 def compare(args: argparse.Namespace, teacher: str) -> None:
     _, test = train_test_split(args.train_rows, 32, seed=0)
     target = teacher_accuracy(teacher, test)
-    print(f"teacher held-out accuracy {target:.3f} ({teacher})", flush=True)
+    print(f"teacher held-out accuracy {target:.3f} ({teacher}); lr {args.lr:g}", flush=True)
     for seed in args.seeds:
         reached = {}
         for method in ("distill", "grpo"):
             t0 = time.perf_counter()
-            points = curve(method, teacher, seed, args.steps, args.eval_every, args.weight, args.train_rows)
+            points = curve(method, teacher, seed, args, target)
             reached[method] = first_reaching(points, target)
             shown = "  ".join(f"step {s}: {a:.3f}" for s, a in points)
             print(f"seed {seed} {method:>7}: {shown}  (reaches teacher at {reached[method]}; "

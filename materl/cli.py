@@ -154,7 +154,7 @@ def _placement_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _early_stopping_flags(p: argparse.ArgumentParser) -> None:
-    """``--early-stopping METRIC``, ``--patience N``, ``--min-delta X``: the same as ``--set
+    """``--early-stopping METRIC``, ``--patience N``, ``--min-delta X``, ``--stop-at X``: the same as ``--set
     train.early_stopping.metric=...`` (any of them turns early stopping on)."""
     p.add_argument("--early-stopping", dest="overrides", action=_AsOverride, key="train.early_stopping.metric",
                    metavar="METRIC", help="stop when this eval metric (e.g. eval/accuracy) stops improving")
@@ -162,6 +162,8 @@ def _early_stopping_flags(p: argparse.ArgumentParser) -> None:
                    metavar="N", help="evaluations without improvement before stopping (default 3)")
     p.add_argument("--min-delta", dest="overrides", action=_AsOverride, key="train.early_stopping.min_delta",
                    metavar="X", help="the least change that counts as an improvement (default 0)")
+    p.add_argument("--stop-at", dest="overrides", action=_AsOverride, key="train.early_stopping.stop_at",
+                   metavar="X", help="also stop once the metric reaches X (>= in mode max, <= in mode min)")
 def _memory_flags(p: argparse.ArgumentParser) -> None:
     """The learner's memory options (docs/scaling-up.md), as ``--set compile.<option>=...``."""
     p.add_argument("--gradient-checkpointing", dest="overrides", action=_AsOverride, nargs=0, const="true",

@@ -138,11 +138,12 @@ class CurriculumSection(_Section):
 
 class EarlyStoppingSection(_Section):
     """``materl.runtime.early_stop.EarlyStopping``: stop when ``metric`` (an ``eval/`` metric) has
-    not improved by more than ``min_delta`` for ``patience`` evaluations."""
+    not improved by more than ``min_delta`` for ``patience`` evaluations, or once it reaches ``stop_at``."""
     metric: str = "eval/accuracy"
     mode: Literal["max", "min"] = "max"
     patience: int = Field(default=3, ge=1)
     min_delta: float = Field(default=0.0, ge=0.0)
+    stop_at: float | None = None
 
     def early_stopping(self) -> EarlyStopping:
         return EarlyStopping(**self.model_dump())

@@ -147,6 +147,9 @@ class TrainingRun:
         if self.eval_every and self.start == 0:
             if await self.evaluate(0):
                 await self.save(0, {}, pipeline, self.data_position(0), best=True)
+            if self.early_stopping is not None and self.early_stopping.reached:  # the start already meets stop_at
+                self.stopped_at = 0
+                return
         self._t0 = time.perf_counter()
         self._lrs = {self.start: self._lr()}
         try:

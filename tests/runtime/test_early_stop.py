@@ -36,6 +36,19 @@ def test_min_mode_and_state_round_trip():
     assert (again.best, again.best_step, again.bad_evals) == (29.0, 5, 1)
 
 
+def test_stop_at_stops_on_reaching_the_target_in_either_mode():
+    es = EarlyStopping(metric="accuracy", patience=5, stop_at=0.75)
+    assert es.update(0, {"eval/accuracy": 0.5}) and not es.should_stop
+    assert es.update(1, {"eval/accuracy": 0.74}) and not es.should_stop  # an improvement, short of the target
+    assert es.update(2, {"eval/accuracy": 0.75}) and es.should_stop and es.bad_evals == 0  # >= the target
+    low = EarlyStopping(metric="eval/loss", mode="min", patience=5, stop_at=0.1)
+    assert low.update(0, {"eval/loss": 0.2}) and not low.should_stop
+    assert low.update(1, {"eval/loss": 0.1}) and low.should_stop  # <= the target in min mode
+    again = EarlyStopping(metric="eval/loss", mode="min", patience=5, stop_at=0.1)
+    again.load_state_dict(json.loads(json.dumps(low.state_dict())))
+    assert again.should_stop and again.best == 0.1
+
+
 def test_bad_settings_and_an_unknown_metric_are_clear_errors():
     with pytest.raises(ConfigError, match=r"mode='best'.*max, min"):
         EarlyStopping(mode="best")
@@ -43,6 +56,8 @@ def test_bad_settings_and_an_unknown_metric_are_clear_errors():
         EarlyStopping(patience=0)
     with pytest.raises(ConfigError, match=r"min_delta=-0.1"):
         EarlyStopping(min_delta=-0.1)
+    with pytest.raises(ConfigError, match=r"stop_at=nan"):
+        EarlyStopping(stop_at=float("nan"))
     with pytest.raises(ConfigError, match=r"eval/acuracy.*step 4.*eval/accuracy, eval/reward"):
         EarlyStopping(metric="acuracy").update(4, {"eval/accuracy": 0.5, "eval/reward": 1.0})
 
@@ -70,7 +85,7 @@ def test_a_run_stops_after_patience_and_keeps_the_best_checkpoint(tmp_path):
     assert best_checkpoint(tmp_path).name == "step-000000"
     assert result["checkpoint"].endswith("step-000002")
     assert json.loads((tmp_path / "checkpoints" / "step-000002" / "state.json").read_text())[
-        "data_state"]["early_stopping"] == {"best": 0.0, "best_step": 0, "bad_evals": 2}
+        "data_state"]["early_stopping"] == {"best": 0.0, "best_step": 0, "bad_evals": 2, "reached": False}
 
 
 def test_resume_counts_on_from_the_checkpoint(tmp_path):
@@ -111,3 +126,13 @@ def test_cli_flags_turn_it_on(tmp_path, capsys):
     assert main(["train", "examples/configs/tiny_grpo.yaml", "--set", f"train.run_dir={run_dir}",
                  "--patience", "2"]) == 2
     assert "early_stopping needs evaluations" in capsys.readouterr().err
+
+
+def test_stop_at_met_by_the_start_trains_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "run"  # the random model's accuracy is 0 from the start: <= 0 in min mode
+    assert main(["train", "examples/configs/tiny_grpo.yaml", "--set", f"train.run_dir={run_dir}",
+                 "--set", "train.steps=5", "--set", "train.eval_every=1", "--set", "rewards=[{name: exact_match}]",
+                 "--set", "train.early_stopping.mode=min", "--stop-at", "0"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stopped_at"] == 0 and out["best_checkpoint"].endswith("step-000000")
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == ["step-000000"]

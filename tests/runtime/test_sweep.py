@@ -118,7 +118,7 @@ def test_ctrl_c_then_resume(tmp_path):
     """A real SIGINT to a running ``materl sweep``: it stops its trial cleanly (exit 130); the same
     command then keeps the finished trial and resumes the interrupted one from its checkpoint."""
     path = write(tmp_path, {"sampler": "grid", "pruner": "none", "space": {"compile.lr": [1e-4, 1e-3]}},
-                 steps=40, eval_every=10, save_every=2)
+                 steps=20, eval_every=5, save_every=2)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "materl.cli", "sweep", str(path)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -144,7 +144,7 @@ def test_ctrl_c_then_resume(tmp_path):
     resumed = yaml.safe_load((tmp_path / "s" / "trial_001" / "config.yaml").read_text())
     assert resumed["train"]["resume"] is True
     evals = metric_values(tmp_path / "s" / "trial_001", "eval/reward")
-    assert sorted(evals) == [0, 10, 20, 30, 40] and trials[2].value == evals[40]
+    assert sorted(evals) == [0, 5, 10, 15, 20] and trials[2].value == evals[20]
     assert "trial 1 was interrupted" in done.stdout
 
 
