@@ -24,25 +24,16 @@ def _seed():
     yield
 
 
-# Modules that start a local Ray cluster (or learner ranks, or a Ray sweep): under ``pytest -n N``
-# they share one worker, one after another, so that two clusters never compete for the machine.
-RAY_MODULES = {
-    "tests/compiler/test_infra_failures.py", "tests/distributed/test_cost_model.py",
-    "tests/distributed/test_learner_ranks.py", "tests/distributed/test_ray_group.py",
-    "tests/distributed/test_ray_workers.py", "tests/faults/test_rendezvous.py", "tests/faults/test_signals.py",
-    "tests/faults/test_tools_cluster.py", "tests/runtime/test_config.py", "tests/runtime/test_signals.py",
-    "tests/runtime/test_sweep.py", "tests/runtime/test_train.py",
-}
-
 PER_TEST = {"tests/test_docs.py"}  # long and without module fixtures: each page its own unit
 
 
 def unit_of(nodeid: str) -> str:
     """The unit of work ``pytest -n N --dist loadgroup`` (the README's test command) gives one worker
-    whole: a module, so that its module-scoped fixtures are built once; the Ray modules together;
-    each docs page alone."""
+    whole: its module, so that module-scoped fixtures are built once; each docs page alone. Modules
+    that start a local Ray cluster or learner ranks may run beside each other on the two workers, as
+    they did in every CI run before this scheduler existed (the suite's longest unit stays one module)."""
     module = nodeid.split("::", 1)[0]
-    return "ray" if module in RAY_MODULES else nodeid.split("@", 1)[0] if module in PER_TEST else module
+    return nodeid.split("@", 1)[0] if module in PER_TEST else module
 
 
 def pytest_xdist_make_scheduler(config, log):
