@@ -98,6 +98,7 @@ def compare(args: argparse.Namespace, teacher: str) -> None:
     _, test = train_test_split(args.train_rows, 32, seed=0)
     target = teacher_accuracy(teacher, test)
     print(f"teacher held-out accuracy {target:.3f} ({teacher}); lr {args.lr:g}", flush=True)
+    needed: dict[str, list[int]] = {"distill": [], "grpo": []}  # steps to the teacher; steps + 1: not within them
     for seed in args.seeds:
         reached = {}
         for method in ("distill", "grpo"):
@@ -111,6 +112,13 @@ def compare(args: argparse.Namespace, teacher: str) -> None:
         ratio = (f"{g / d:.2f}x" if d and g else f"> {args.steps / d:.2f}x (GRPO did not reach it in {args.steps} steps)"
                  if d else "n/a (distillation did not reach it within the steps)")
         print(f"seed {seed}: steps to the teacher's accuracy, GRPO / distillation = {ratio}", flush=True)
+        for method in needed:
+            needed[method].append(reached[method] or args.steps + 1)
+    mean = {m: sum(v) / len(v) for m, v in needed.items()}
+    bound = "at least " if any(v > args.steps for v in needed["grpo"]) else ""
+    print(f"mean over seeds {args.seeds}: distillation {mean['distill']:.2f} steps, GRPO {bound}{mean['grpo']:.2f} "
+          f"(a run that did not reach the teacher counts as {args.steps + 1}); GRPO / distillation "
+          f"{bound}{mean['grpo'] / mean['distill']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
