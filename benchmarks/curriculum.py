@@ -60,6 +60,10 @@ def main() -> int:
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--shots", type=int, default=1, help="worked examples before each question (ReasoningGymTask)")
     p.add_argument("--tools", action="store_true", help="the calculator tool, grpo_tools (the example's --tools)")
+    p.add_argument("--start-level", type=int, default=0, help="the curriculum's first level")
+    p.add_argument("--raise-above", type=float, default=0.5, help="raise the level above this recent pass rate")
+    p.add_argument("--lower-below", type=float, default=0.1, help="lower it below this one (0: never lower)")
+    p.add_argument("--arms", default="curriculum,fixed", help="which arms to run (one per process on a 2-core machine)")
     args = p.parse_args()
     if args.probe:
         probe(args.probe.split(","), n=args.test_size, max_new_tokens=args.max_new_tokens, shots=args.shots,
@@ -70,20 +74,21 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     after: dict[str, list[float]] = {"curriculum": [], "fixed": []}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        for arm in ("curriculum", "fixed"):
+        for arm in args.arms.split(","):
             t0 = time.perf_counter()
             with tempfile.TemporaryDirectory(prefix=f"{arm}-{seed}-") as run_dir:  # ~2 GB of checkpoints a run
                 r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
                         max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
                         shots=args.shots, tools=args.tools, fixed_level=hardest if arm == "fixed" else None,
-                        run_dir=run_dir, curriculum=ml.Curriculum(raise_above=0.5, lower_below=0.1, window=args.window))
+                        run_dir=run_dir, curriculum=ml.Curriculum(start_level=args.start_level, raise_above=args.raise_above,
+                                                           lower_below=args.lower_below, window=args.window))
             last = r["history"][-1].get("curriculum/level", float(hardest))
             after[arm].append(r["accuracy_after"])
             print(f"| {seed} | {arm} | {r['accuracy_before']:.3f} | {r['accuracy_after']:.3f} | "
                   f"{r['trained_tokens']:.0f} | {last:.0f} | {time.perf_counter() - t0:.0f} |", flush=True)
     mean = {k: sum(v) / len(v) for k, v in after.items() if v}
-    print(f"\nmean held-out accuracy at level {hardest} after {args.steps} steps: curriculum "
-          f"{mean['curriculum']:.3f}, fixed {mean['fixed']:.3f}")
+    print(f"\nmean held-out accuracy at level {hardest} after {args.steps} steps: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in mean.items()))
     return 0
 
 

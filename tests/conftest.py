@@ -26,6 +26,20 @@ def _seed():
 
 PER_TEST = {"tests/test_docs.py"}  # long and without module fixtures: each page its own unit
 
+# The longest units, longest first (from CI's --durations, benchmarks/RESULTS.md "test_suite"): they
+# start first, so that the two workers end together instead of one finishing a 3-minute module
+# alone (xdist's own order, most tests first, put these few-test modules last). Only the order
+# depends on this list: a stale entry costs balance, never a test.
+LONGEST_FIRST = (
+    "tests/runtime/test_sweep.py", "tests/distributed/test_learner_ranks.py", "tests/distributed/test_ray_workers.py",
+    "tests/test_docs.py", "tests/runtime/test_verifiers_env.py", "tests/faults/test_checkpoints.py",
+    "tests/distributed/test_learner.py", "tests/faults/test_signals.py", "tests/faults/test_train_tools.py",
+    "tests/test_self_play_example.py", "tests/faults/test_tools_cluster.py", "tests/test_reasoning_gym_example.py",
+    "tests/runtime/test_smollm2.py", "tests/faults/test_inputs.py", "tests/engines/test_models.py",
+    "tests/rollout/test_principles.py", "tests/test_openai_agent_example.py", "tests/distributed/test_torchrun.py",
+    "tests/test_cpu_allocator.py", "tests/faults/test_rendezvous.py",
+)
+
 
 def unit_of(nodeid: str) -> str:
     """The unit of work ``pytest -n N --dist loadgroup`` (the README's test command) gives one worker
@@ -44,6 +58,8 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    config.option.loadscopereorder = False  # units in collection order: LONGEST_FIRST's
+
     class ByUnit(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit_of(nodeid)
@@ -52,6 +68,8 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
+    rank = {module: i for i, module in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest as collected
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
