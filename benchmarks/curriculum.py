@@ -80,8 +80,9 @@ def main() -> int:
                 r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
                         max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
                         shots=args.shots, tools=args.tools, fixed_level=hardest if arm == "fixed" else None,
-                        run_dir=run_dir, curriculum=ml.Curriculum(start_level=args.start_level, raise_above=args.raise_above,
-                                                           lower_below=args.lower_below, window=args.window))
+                        run_dir=run_dir, curriculum=ml.Curriculum(
+                            start_level=args.start_level, raise_above=args.raise_above,
+                            lower_below=args.lower_below, window=args.window))
             last = r["history"][-1].get("curriculum/level", float(hardest))
             after[arm].append(r["accuracy_after"])
             print(f"| {seed} | {arm} | {r['accuracy_before']:.3f} | {r['accuracy_after']:.3f} | "
