@@ -3,6 +3,9 @@
     OMP_NUM_THREADS=2 python benchmarks/curriculum.py --probe basic_arithmetic,leg_counting   # pick a task
     OMP_NUM_THREADS=2 python benchmarks/curriculum.py --task basic_arithmetic --steps 30 --seeds 0,1,2
     OMP_NUM_THREADS=1 python benchmarks/curriculum.py --task basic_arithmetic --tools --steps 12 --batch 2 --window 8 --max-new-tokens 64
+    OMP_NUM_THREADS=1 python benchmarks/curriculum.py --task basic_arithmetic --tools --steps 12 --batch 2 --group 4 \
+        --window 8 --max-new-tokens 64 --test-size 32 --start-level 1 --raise-above 0.25 --lower-below 0 \
+        --arms curriculum --seeds 0,1,2          # and --arms fixed in a second process (RESULTS.md)
 
 ``--probe``: greedy held-out accuracy of the untrained model at level 0 and at the hardest level
 of each task (the benchmark wants a task that starts below 30% at the hardest level and is
