@@ -68,6 +68,8 @@ def main() -> int:
     p.add_argument("--lower-below", type=float, default=0.1, help="lower it below this one (0: never lower)")
     p.add_argument("--arms", default="curriculum,fixed", help="which arms to run (one per process on a 2-core machine)")
     args = p.parse_args()
+    if unknown := set(args.arms.split(",")) - {"curriculum", "fixed"}:
+        p.error(f"--arms {args.arms}: unknown {', '.join(sorted(unknown))}; accepted: curriculum, fixed")
     if args.probe:
         probe(args.probe.split(","), n=args.test_size, max_new_tokens=args.max_new_tokens, shots=args.shots,
               tools=args.tools)

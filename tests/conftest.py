@@ -47,7 +47,7 @@ def unit_of(nodeid: str) -> str:
     that start a local Ray cluster or learner ranks may run beside each other on the two workers, as
     they did in every CI run before this scheduler existed (the suite's longest unit stays one module)."""
     module = nodeid.split("::", 1)[0]
-    return nodeid.split("@", 1)[0] if module in PER_TEST else module
+    return nodeid if module in PER_TEST else module
 
 
 def pytest_xdist_make_scheduler(config, log):
