@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import CoroutineType
@@ -34,6 +35,8 @@ from materl.errors import OpOutputError, StepTimeoutError
 from materl.graph.node import Node
 from materl.rollout.multiturn import EpisodeState, TurnResult
 from materl.rollout.types import Rollout
+
+_NO_SCOPE = nullcontext()  # a reusable stand-in for a cancel scope that is not needed
 
 
 async def call_batch(run: StageEnv, name: str, eps: list[Episode]) -> list[Any]:
@@ -132,7 +135,7 @@ async def _alone(run: StageEnv, name: str, ep: Episode) -> tuple[bool, Any]:
         return False, exc
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EpisodeNode:
     """One episode node as ``run_episode`` runs it, looked up once per rollout stage (not per
     node per episode): its implementation, its episode inputs parsed, its tick batcher if any."""
@@ -159,17 +162,19 @@ def episode_nodes(run: StageEnv, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
     return out
 
 
-async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode]) -> None:
+async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode], *, own_deadline: bool = True) -> None:
     """Run ``ep`` through the plan's episode nodes, recording a failure or a timeout on it. Per
     node this is the hot path of the rollout stage (a few microseconds matter: one clock read, no
-    wrapper coroutine for an op whose function can be called as it is)."""
+    wrapper coroutine for an op whose function can be called as it is). ``own_deadline=False``:
+    the caller's scope holds the deadline (``rollout_stage``'s one scope for episodes that start
+    together) and records the timeouts."""
     name = "(start)"
     values, timings = ep.values, ep.timings
     timeout_s = run.options.episode_timeout_s
     try:
         # anyio.fail_after's own logic without its two generator context managers (a third of its cost)
-        deadline = anyio.CancelScope(deadline=anyio.current_time() + timeout_s)
-        with deadline:
+        deadline = anyio.CancelScope(deadline=anyio.current_time() + timeout_s) if own_deadline else None
+        with deadline or _NO_SCOPE:
             t0 = time.perf_counter()
             for en in nodes:
                 name = en.name
@@ -189,10 +194,10 @@ async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode]) 
                 values[name] = value  # Episode.store
                 t1 = time.perf_counter()  # one clock read per node: this node's end is the next one's start
                 timings[name], t0 = t1 - t0, t1
-        if deadline.cancelled_caught and anyio.current_time() >= deadline.deadline:
+        if deadline is not None and deadline.cancelled_caught and anyio.current_time() >= deadline.deadline:
             raise TimeoutError
     except TimeoutError:
-        ep.error = Failure(name, StepTimeoutError.__name__, f"episode exceeded episode_timeout_s={timeout_s}")
+        timed_out(run, ep, name)
     except Exception as e:  # recorded on the episode, never raised out of the step
         kind = outage_kind(e)
         if kind is not None:  # the agent's own tool client hit an outage: like one through a Toolbox
@@ -204,6 +209,12 @@ async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode]) 
             with anyio.CancelScope(shield=True):
                 for service in run.services.all:  # per-episode tool and endpoint state ends with the episode
                     await service.end_episode(ep.uid)
+
+
+def timed_out(run: StageEnv, ep: Episode, name: str) -> None:
+    """Record that ``ep`` passed its deadline while at node ``name``."""
+    ep.error = Failure(name, StepTimeoutError.__name__,
+                       f"episode exceeded episode_timeout_s={run.options.episode_timeout_s}")
 
 
 async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Sequence[int] | None = None,
@@ -229,7 +240,12 @@ async def rollout_from_context(ctx, agents, prompts, columns=None, *, groups: Se
 
 async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
                         on_episode: Callable[[Episode], None] | None = None) -> float:
-    """Run every episode and its groups' group nodes; returns the stage's wall time."""
+    """Run every episode and its groups' group nodes; returns the stage's wall time.
+
+    When every episode starts at once (no ``max_concurrent_episodes`` queue), their deadlines
+    are one instant: one cancel scope around the episodes' tasks holds it (an anyio scope and
+    its timer per episode were half the scheduler's own cost), and the episodes it stops are
+    recorded as timed out at the node they were running. Queued episodes each get their own."""
     plan = run.plan
     groups: dict[int, list[Episode]] = {}
     for ep in episodes:
@@ -237,17 +253,14 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
     remaining = {g: len(members) for g, members in groups.items()}
     cap = run.options.max_concurrent_episodes  # no semaphore (two loop passes per episode) when all fit
     limit = anyio.Semaphore(cap) if len(episodes) > cap else None
+    running = set(range(len(episodes)))
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
         nodes = episode_nodes(run, tg)
         firer = GroupFirer(run, tg)
 
-        async def one(ep: Episode) -> None:
-            if limit is None:
-                await run_episode(run, ep, nodes)
-            else:
-                async with limit:
-                    await run_episode(run, ep, nodes)
+        def finish(i: int, ep: Episode) -> None:
+            running.discard(i)
             mark_infra_failure(ep, run.options.infra_failures)
             if on_episode is not None:
                 on_episode(ep)
@@ -257,8 +270,24 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
                 if plan.group:
                     firer.ready(groups[ep.group])
 
-        for ep in episodes:
-            tg.start_soon(one, ep)
+        async def one(i: int, ep: Episode) -> None:
+            if limit is None:
+                await run_episode(run, ep, nodes, own_deadline=False)
+            else:
+                async with limit:
+                    await run_episode(run, ep, nodes)
+            finish(i, ep)
+
+        deadline = anyio.CancelScope(deadline=anyio.current_time() + run.options.episode_timeout_s) \
+            if limit is None else _NO_SCOPE
+        with deadline:  # around the episodes alone: group nodes and batch calls in flight are not stopped
+            async with anyio.create_task_group() as episode_tasks:
+                for i, ep in enumerate(episodes):
+                    episode_tasks.start_soon(one, i, ep)
+        for i in sorted(running):  # stopped by the deadline (an outer cancellation does not get here)
+            ep = episodes[i]
+            timed_out(run, ep, next((en.name for en in nodes if en.name not in ep.values), "(start)"))
+            finish(i, ep)
     return time.perf_counter() - t0
 
 

@@ -143,6 +143,31 @@ def test_a_hanging_episode_times_out(tiny):
     assert "episode_timeout_s=0.5" in step.last_errors[0]
 
 
+@pytest.mark.parametrize("cap", [64, 1])  # episodes that start together share one deadline; queued ones have their own
+def test_a_hanging_group_times_out_and_the_other_group_trains(tiny, cap):
+    @ml.op
+    async def hang(text: str) -> {"score": float}:
+        if text == "x":
+            await anyio.sleep(3600)
+        return {"score": 0.0}
+
+    @ml.recipe
+    def r(policy, prompts):
+        c = ml.generate(policy, prompts)
+        adv = ml.advantages(ml.reward("length") + hang(prompts), completions=c)
+        ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
+
+    step = ml.compile(r, policy=tiny(trainable=True), group_size=2, max_new_tokens=2, episode_timeout_s=0.5,
+                      max_concurrent_episodes=cap)
+    try:
+        metrics = step.run(prompts=["x", "y"])
+    finally:
+        step.close()
+    assert metrics["failed_episodes"] == 2 and metrics["failures/hang/StepTimeoutError"] == 2
+    assert [ep.prompt for ep in step.last_episodes] == ["y", "y"]  # its group's advantages fired and it trained
+    assert all("node 'hang': episode exceeded episode_timeout_s=0.5" in e for e in step.last_errors)
+
+
 def test_compile_errors_name_what_is_wrong(tiny):
     with pytest.raises(CompileError, match="needs agent\\(s\\) ref_policy"):
         ml.compile(grpo, policy=tiny(trainable=True))
