@@ -20,6 +20,7 @@ the trained tokens of each arm (the budgets are equal in steps; tokens are repor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -49,6 +50,16 @@ def probe(tasks: list[str], *, n: int, max_new_tokens: int, shots: int, tools: b
         print(f"| {name} | {task.levels} | {acc[0]:.3f} | {acc[1]:.3f} |", flush=True)
 
 
+@contextlib.contextmanager
+def keep_or_delete(parent: str | None, name: str):
+    """A run directory: ``parent/name``, kept, or a temporary one deleted afterwards."""
+    if parent is not None:
+        yield os.path.join(parent, name)
+        return
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as run_dir:
+        yield run_dir
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--probe", default=None, help="comma-separated tasks: untrained accuracy at level 0 and hardest")
@@ -67,6 +78,8 @@ def main() -> int:
     p.add_argument("--raise-above", type=float, default=0.5, help="raise the level above this recent pass rate")
     p.add_argument("--lower-below", type=float, default=0.1, help="lower it below this one (0: never lower)")
     p.add_argument("--arms", default="curriculum,fixed", help="which arms to run (one per process on a 2-core machine)")
+    p.add_argument("--keep-runs", default=None, help="keep each run's directory as DIR/ARM-SEED (e.g. a teacher for "
+                                                     "distill_vs_grpo.py --task); default: deleted")
     args = p.parse_args()
     if unknown := set(args.arms.split(",")) - {"curriculum", "fixed"}:
         p.error(f"--arms {args.arms}: unknown {', '.join(sorted(unknown))}; accepted: curriculum, fixed")
@@ -81,7 +94,7 @@ def main() -> int:
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in args.arms.split(","):
             t0 = time.perf_counter()
-            with tempfile.TemporaryDirectory(prefix=f"{arm}-{seed}-") as run_dir:  # ~2 GB of checkpoints a run
+            with keep_or_delete(args.keep_runs, f"{arm}-{seed}") as run_dir:  # ~2 GB of checkpoints a run
                 r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
                         max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
                         shots=args.shots, tools=args.tools, fixed_level=hardest if arm == "fixed" else None,

@@ -71,17 +71,23 @@ class ToolPrompted:
 
 
 def build(task: ml.ReasoningGymTask, *, model: str, group_size: int, max_new_tokens: int, lr: float, seed: int,
-          tools: bool = False):
+          tools: bool = False, teacher: str | None = None, distill_weight: float = 1.0):
+    """The compiled step; ``teacher`` (a model name or HF folder): on-policy distillation from it
+    added to the recipe (``ml.with_distillation``, ``distill_weight``)."""
     if not tools:
         recipe = ml.replace(grpo, "rewards", lambda g: task.reward())
-        return ml.compile(recipe, policy=ml.Agent(model, trainable=True), ref_policy=ml.Agent(model),
-                          group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, temperature=1.0, seed=seed)
-    recipe = grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"), turns=2, show_schemas=False,
-                               format_as_step=False, format_needs_success=True)
-    recipe = ml.replace(recipe, "rewards", lambda g: task.reward() + ml.reward("tool_success", weight=0.2))
-    return ml.compile(recipe, policy=ml.Agent(model, trainable=True), group_size=group_size,
-                      max_new_tokens=max_new_tokens, lr=lr, temperature=0.7, system_prompt=TOOL_SYSTEM, max_turns=2,
-                      seed=seed)
+        agents = {"policy": ml.Agent(model, trainable=True), "ref_policy": ml.Agent(model)}
+        options = dict(temperature=1.0)
+    else:
+        recipe = grpo_tools_recipe(ml.mcp_tools("python -m materl.tools.calculator"), turns=2, show_schemas=False,
+                                   format_as_step=False, format_needs_success=True)
+        recipe = ml.replace(recipe, "rewards", lambda g: task.reward() + ml.reward("tool_success", weight=0.2))
+        agents = {"policy": ml.Agent(model, trainable=True)}
+        options = dict(temperature=0.7, system_prompt=TOOL_SYSTEM, max_turns=2)
+    if teacher is not None:
+        recipe, agents["teacher"] = ml.with_distillation(recipe, "teacher", distill_weight), ml.Agent(teacher)
+    return ml.compile(recipe, **agents, group_size=group_size, max_new_tokens=max_new_tokens, lr=lr, seed=seed,
+                      **options)
 
 
 def run(*, task_name: str = "basic_arithmetic", model: str = "smollm2-135m-instruct", steps: int = 30,
