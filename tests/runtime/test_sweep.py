@@ -70,9 +70,9 @@ def test_pruned_trials_stop_early(tmp_path):
     # the per-step lr is known in advance: Optuna's ThresholdPruner rejects lr < 5e-4 at its first report
     path = write(tmp_path, {"sampler": "grid", "pruner": "threshold", "pruner_params": {"lower": 5e-4},
                             "metric": "lr", "direction": "maximize", "space": {"compile.lr": [1e-4, 1e-3]}},
-                 steps=30, eval_every=0, save_every=0)
+                 steps=6, eval_every=0, save_every=0)
     rows = {r["params"]["compile.lr"]: r for r in run_sweep(path, say=lambda _: None)["trials"]}
-    assert rows[1e-3]["state"] == "complete" and rows[1e-3]["value"] == 1e-3 and rows[1e-3]["steps"] == 30
+    assert rows[1e-3]["state"] == "complete" and rows[1e-3]["value"] == 1e-3 and rows[1e-3]["steps"] == 6
     assert rows[1e-4]["state"] == "pruned" and rows[1e-4]["steps"] == 1  # reported once, then rejected
 
 
