@@ -38,6 +38,7 @@ inline, so nesting cannot deadlock.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import os
@@ -192,13 +193,42 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
 async def acall(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run ``fn`` in the compute thread; the event loop keeps running meanwhile. Not
-    cancellable once submitted (like ``anyio.to_thread.run_sync``): the work finishes."""
+    cancellable once submitted (like ``anyio.to_thread.run_sync``): the work finishes, and a
+    cancellation of the caller is delivered after it (one already pending when the work is
+    submitted is raised at once, as ``run_sync``'s first checkpoint does)."""
     server = _target()
     if _inline(server):
         with cpu_allocator.scope():
             return fn(*args, **kwargs)
     future = server.submit(fn, args, kwargs)
-    return await anyio.to_thread.run_sync(future.result)
+    await anyio.lowlevel.checkpoint_if_cancelled()
+    if not future.done():
+        with anyio.CancelScope(shield=True):
+            await _done(future)
+    return future.result()
+
+
+def _done(future: Future) -> asyncio.Future:
+    """An awaitable of the running loop that completes when ``future`` is done: the compute thread
+    wakes the loop itself (one hop; ``run_sync(future.result)`` took an anyio worker thread, a
+    queue hand-off and a capacity limiter per call). Cancelling the awaitable leaves ``future``
+    and its work alone."""
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake(_: Future) -> None:
+        try:
+            loop.call_soon_threadsafe(_set_done, waiter)
+        except RuntimeError:  # the loop was closed meanwhile: nobody is waiting
+            pass
+
+    future.add_done_callback(wake)
+    return waiter
+
+
+def _set_done(waiter: asyncio.Future) -> None:
+    if not waiter.done():  # not cancelled meanwhile
+        waiter.set_result(None)
 
 
 @contextmanager

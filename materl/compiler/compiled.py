@@ -30,7 +30,7 @@ from materl.compiler.context import AgentSpec, Mode, StageEnv, StepContext
 from materl.compiler.episode import Episode, make_episodes
 from materl.compiler.failures import FailurePolicy
 from materl.compiler.loop import LoopThread
-from materl.compiler.metrics import episode_rollout, rollout_metrics
+from materl.compiler.metrics import episode_rollout, rollout_metrics, rollout_reader
 from materl.compiler.optimizers import Optimizers, clip_grad_norm, init_adamw_state  # noqa: F401 (re-exported)
 from materl.compiler.options import CompileOptions
 from materl.compiler.plan import make_plan
@@ -249,7 +249,7 @@ class Compiled:
 
     def rollout_metrics(self, episodes: list[Episode]) -> dict[str, float]:
         self.last_errors = [str(e.error) for e in episodes if e.error]
-        return rollout_metrics(self.plan, episodes, self.episode_rollout, self.timings)
+        return rollout_metrics(self.plan, episodes, rollout_reader(self.plan), self.timings)
 
     def episode_rollout(self, ep: Episode):
         """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""

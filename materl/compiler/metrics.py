@@ -24,14 +24,14 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
     """Metrics of a rollout batch; ``rollout_of(episode)``: its Rollout or None, ``timings``: the
     step's stage times (``stage/rollout`` is reported as ``time/rollout``)."""
     ok = [e for e in episodes if e.error is None]
-    masked = [e for e in ok if outage_masked(e)]
+    counted = [e for e in ok if not outage_masked(e)]
     m: dict[str, float] = {
         "episodes": float(len(episodes)), "failed_episodes": float(len(episodes) - len(ok)),
-        "filtered_episodes": float(sum(e.filtered for e in ok)), "masked_episodes": float(len(masked)),
+        "filtered_episodes": float(sum(e.filtered for e in ok)), "masked_episodes": float(len(ok) - len(counted)),
     }
-    m |= _rewards(plan, [e for e in ok if not outage_masked(e)])
-    rollouts = [r for r in (rollout_of(e) for e in ok) if r is not None]
-    m["tokens"] = float(sum(sum(r.loss_mask) for r in rollouts))
+    m |= _rewards(plan, counted)
+    rollouts = [r for r in map(rollout_of, ok) if r is not None]
+    m["tokens"] = float(sum(len(s.token_ids) for r in rollouts for s in r.steps if s.trainable))  # sum(loss_mask)
     m |= tool_call_metrics(rollouts, uses_tools=uses_tools(plan))
     turns = [s.metadata for r in rollouts for s in r.steps if s.kind == "generate" and "prefilled" in s.metadata]
     if turns:  # the engine keeps KV across turns (the device loop): what each turn computed vs reused
@@ -52,7 +52,7 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
     m: dict[str, float] = {}
     reward_nodes = [n for n in plan.order if output_of(plan.nodes[n]).kind is Kind.SCORE]
     for name in reward_nodes:
-        totals = torch.tensor([float(torch.as_tensor(e.values[name]).sum()) for e in ok if name in e.values])
+        totals = torch.tensor([_total(e.values[name]) for e in ok if name in e.values])
         if len(totals):
             key = "reward" if name == reward_nodes[0] else f"reward/{name}"
             m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
@@ -62,6 +62,13 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
         vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
         m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
     return m
+
+
+def _total(value) -> float:
+    """An episode's reward: its number, or the sum of its per-token rewards."""
+    if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return float(value)  # what the sum of one number is, without making a tensor of it
+    return float(torch.as_tensor(value).sum())
 
 
 def outage_masked(ep: Episode) -> bool:
@@ -89,8 +96,23 @@ def tool_call_metrics(rollouts: list, *, uses_tools: bool) -> dict[str, float]:
 
 def episode_rollout(plan, ep: Episode):
     """The episode's rollout: the value of its last rollout-producing node (None if it has none)."""
+    return rollout_reader(plan)(ep)
+
+
+def rollout_reader(plan) -> Callable[[Episode], object]:
+    """``episode_rollout`` for many episodes: the rollout node looked up once."""
     name = plan.rollout_node()
-    return ep.rollout(name) if name is not None and name in ep.values else None
+    if name is None:
+        return lambda ep: None
+    return lambda ep: ep.rollout(name) if name in ep.values else None
+
+
+def _floats(value) -> list[float]:
+    """A per-token value as one flat list of Python floats (one copy, no per-turn tensor ops); a
+    float tensor's own values, which float64 holds exactly."""
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 1:
+        return value.tolist()
+    return torch.as_tensor(value, dtype=torch.float64).flatten().tolist()
 
 
 def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode], object], *,
@@ -101,12 +123,13 @@ def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[
     ``advantages/last_turn/...``). Reads the first node whose output is ``advantages``; nothing for
     a recipe without one or with per-episode (not per-token) values."""
     name = next((n for n in plan.order if output_of(plan.nodes[n]).name == "advantages"), None)
+    if name is None:
+        return {}
     per_turn: dict[str, list[float]] = {}
     for ep in episodes:
-        rollout = rollout_of(ep)
-        if name is None or rollout is None or name not in ep.values:
+        if name not in ep.values or (rollout := rollout_of(ep)) is None:
             continue
-        adv = torch.as_tensor(ep.resolve(name), dtype=torch.float64).flatten().tolist()  # one copy, no per-turn ops
+        adv = _floats(ep.lookup(name, ()))
         means, pos = [], 0
         for step in rollout.steps:
             n = len(step.token_ids)

@@ -18,7 +18,7 @@ from materl import compute
 from materl.compiler.context import StageEnv
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
-from materl.compiler.metrics import advantage_turn_metrics
+from materl.compiler.metrics import advantage_turn_metrics, rollout_reader
 
 if TYPE_CHECKING:
     from materl.compiler.compiled import Compiled
@@ -62,7 +62,7 @@ class InProcessLearner:
         t0 = time.perf_counter()
         await learner.prepare()
         timings = {"stage/prepare": time.perf_counter() - t0}
-        metrics = advantage_turn_metrics(compiled.plan, episodes, compiled.episode_rollout)  # batch advantages exist now
+        metrics = advantage_turn_metrics(compiled.plan, episodes, rollout_reader(compiled.plan))  # advantages exist now
         metrics.update(await compute.acall(learner.run_updates))
         return Update(metrics, compiled.step_count + 1, timings | learner.timings)
 

@@ -72,8 +72,8 @@ async def score(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list
         rsum = RewardSum(tuple(_reward(terms[i], inputs, given.get(i)) for i in members))
         result = await rsum.aevaluate(**_batch(eps, rollouts, steps))
         for label, scores in result.components.items():
-            for ep, row in zip(eps, scores):
-                ep.metrics[f"reward/{label}"] = ep.metrics.get(f"reward/{label}", 0.0) + float(row.sum())
+            for ep, total in zip(eps, _row_sums(scores)):
+                ep.metrics[f"reward/{label}"] = ep.metrics.get(f"reward/{label}", 0.0) + total
         total = result.total
         if steps is not None:
             tokens = _add(tokens, _on_step_ends(node, total, base, steps))
@@ -95,6 +95,14 @@ async def score(run: StageEnv, node: Node, eps: list[Episode], inputs: list[list
         row = tokens[i, :len(r.completion_ids)]
         out.append(torch.tensor(turn_discounted(row.tolist(), r, gammas[i])) if gammas[i] is not None else row)
     return out
+
+
+def _row_sums(scores: Tensor) -> list[float]:
+    """Each episode's score (a token-level row: its sum) as a Python float; one conversion for
+    per-episode scores instead of one per row."""
+    if isinstance(scores, Tensor) and scores.dim() == 1 and scores.is_floating_point():
+        return scores.tolist()
+    return [float(row.sum()) for row in scores]
 
 
 def _add(acc: Tensor | None, t: Tensor) -> Tensor:
