@@ -123,31 +123,11 @@ def test_failed_episode_is_recorded_and_left_out(tiny):
     assert len(step.last_episodes) == 2  # the update used the two good episodes
 
 
-def test_a_hanging_episode_times_out(tiny):
+def hanging_recipe(*hangs_on: str):
+    """A recipe whose reward op never returns for the prompts ``hangs_on`` (all: none given)."""
     @ml.op
     async def hang(text: str) -> {"score": float}:
-        await anyio.sleep(3600)
-        return {"score": 0.0}
-
-    @ml.recipe
-    def r(policy, prompts):
-        c = ml.generate(policy, prompts)
-        adv = ml.advantages(ml.reward("length") + hang(prompts), completions=c)
-        ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
-
-    step = ml.compile(r, policy=tiny(trainable=True), group_size=2, max_new_tokens=2, episode_timeout_s=0.5)
-    with pytest.raises(StepFailedError) as info:
-        step.run(prompts=["x"])
-    assert "step 1: 2 of 2 episodes failed" in str(info.value)
-    assert "2 x StepTimeoutError in node 'hang': episode exceeded episode_timeout_s=0.5" in str(info.value)
-    assert "episode_timeout_s=0.5" in step.last_errors[0]
-
-
-@pytest.mark.parametrize("cap", [64, 1])  # episodes that start together share one deadline; queued ones have their own
-def test_a_hanging_group_times_out_and_the_other_group_trains(tiny, cap):
-    @ml.op
-    async def hang(text: str) -> {"score": float}:
-        if text == "x":
+        if not hangs_on or text in hangs_on:
             await anyio.sleep(3600)
         return {"score": 0.0}
 
@@ -157,8 +137,23 @@ def test_a_hanging_group_times_out_and_the_other_group_trains(tiny, cap):
         adv = ml.advantages(ml.reward("length") + hang(prompts), completions=c)
         ml.set_loss(ml.ppo_loss(adv, ml.logprobs(policy, prompts, c)))
 
-    step = ml.compile(r, policy=tiny(trainable=True), group_size=2, max_new_tokens=2, episode_timeout_s=0.5,
-                      max_concurrent_episodes=cap)
+    return r
+
+
+def test_a_hanging_episode_times_out(tiny):
+    step = ml.compile(hanging_recipe(), policy=tiny(trainable=True), group_size=2, max_new_tokens=2,
+                      episode_timeout_s=0.5)
+    with pytest.raises(StepFailedError) as info:
+        step.run(prompts=["x"])
+    assert "step 1: 2 of 2 episodes failed" in str(info.value)
+    assert "2 x StepTimeoutError in node 'hang': episode exceeded episode_timeout_s=0.5" in str(info.value)
+    assert "episode_timeout_s=0.5" in step.last_errors[0]
+
+
+@pytest.mark.parametrize("cap", [64, 1])  # episodes that start together share one deadline; queued ones have their own
+def test_a_hanging_group_times_out_and_the_other_group_trains(tiny, cap):
+    step = ml.compile(hanging_recipe("x"), policy=tiny(trainable=True), group_size=2, max_new_tokens=2,
+                      episode_timeout_s=0.5, max_concurrent_episodes=cap)
     try:
         metrics = step.run(prompts=["x", "y"])
     finally:
