@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from functools import partial
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar
 
@@ -61,7 +60,7 @@ from materl import compute
 from materl.compiler.context import StageEnv, StepContext
 from materl.compiler.episode import Episode
 from materl.compiler.learner import Learner
-from materl.compiler.metrics import advantage_turn_metrics, episode_rollout
+from materl.compiler.metrics import advantage_turn_metrics, rollout_reader
 from materl.compiler.optimizers import Optimizers
 from materl.compiler.options import CompileOptions
 from materl.compiler.packing import MicroBatching
@@ -234,7 +233,7 @@ class DistributedLearner:
         with compute.serving():  # this thread runs the learner's torch work
             anyio.run(learner.prepare)
             t1 = time.perf_counter()
-            turns = advantage_turn_metrics(ctx.plan, learner.episodes, partial(episode_rollout, ctx.plan))
+            turns = advantage_turn_metrics(ctx.plan, learner.episodes, rollout_reader(ctx.plan))
             metrics = learner.run_updates() | turns
         self.version += 1
         t2 = time.perf_counter()
