@@ -197,7 +197,8 @@ class Compiled:
             if agent.trainable:
                 agent.sync_engine()  # in-process: drops stale copies; SGLang: pushes the new weights
                 agent.policy_version = self.step_count
-        await compute.acall(self.update_references, done.metrics.get("policy_loss/kl", done.metrics.get("kl")))
+        if self.references:  # a reference that follows the policy (not "frozen", the default)
+            await compute.acall(self.update_references, done.metrics.get("policy_loss/kl", done.metrics.get("kl")))
         metrics.update(done.metrics)
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = self.step_count

@@ -10,14 +10,17 @@ from typing import Any
 import torch
 
 from materl.compiler.kinds.distill import teacher_agents
-from materl.ops.reference import make_reference_policy
+from materl.ops.reference import REFERENCE_POLICIES, make_reference_policy
 
 Pair = tuple[Any, Any, Any]  # (reference agent, source agent, policy)
 
 
 def reference_pairs(plan, agents: Mapping[str, Any], options) -> list[Pair]:
-    """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one;
-    an agent no kept node reads is left out (it is never loaded)."""
+    """(reference agent, source agent, policy) for each frozen agent that mirrors a trainable one,
+    under a policy that moves it (``follows``: none under "frozen" or "none", the default); an
+    agent no kept node reads is left out (it is never loaded)."""
+    if not getattr(REFERENCE_POLICIES.get(options.reference), "follows", True):
+        return []
     trainable = [n for n, a in agents.items() if a.trainable and getattr(a, "head", None) != "value"]
     used = {a for name in plan.order for a in plan.nodes[name].agents}
     teachers = teacher_agents(plan)  # a distillation teacher stays as it is

@@ -292,8 +292,6 @@ class DistributedLearner:
 
     def followers(self) -> list[str]:
         """The names of the reference agents updated from the policy (none under ``"frozen"``)."""
-        if self.options.reference in ("frozen", "none"):
-            return []
         refs = {id(ref) for ref, _, _ in self.references or ()}
         return [n for n, a in self.agents.items() if id(a) in refs]
 

@@ -53,8 +53,6 @@ class RankedLearner:
     def followers(self) -> list[str]:
         """The driver's reference agents that follow the policy (``reference="ema"``, resets)."""
         c = self.compiled
-        if c.options.reference in ("frozen", "none"):
-            return []
         refs = {id(ref) for ref, _, _ in c.references}
         return [n for n, a in c.agents.items() if id(a) in refs]
 

@@ -9,7 +9,8 @@ Each policy is a small class, hyperparameters in ``__init__``, one call per opti
 ``update`` works in place on matching iterables of tensors and returns True when the reference
 changed. ``step`` counts completed optimizer steps from 1 (TRL's ``state.global_step`` in
 ``on_step_end``). ``uses_reference`` is False only for ``none`` (the learner then skips the
-reference forward). Built-ins: none, frozen, ema, periodic, adaptive.
+reference forward); ``follows`` is False for ``none`` and ``frozen`` (nothing to update after a
+step). Built-ins: none, frozen, ema, periodic, adaptive.
 
 Also the primitives they are made of: :func:`frozen_copy` (make a reference from a policy),
 :func:`copy_params_` (hard reset) and :func:`ema_params_` (Polyak average).
@@ -32,6 +33,7 @@ from materl.registry import Registry
 
 class ReferencePolicy(Protocol):
     uses_reference: bool
+    follows: bool  # False: ``update`` never changes the reference (the learner skips calling it)
 
     def update(
         self, ref_params: Iterable[Tensor], policy_params: Iterable[Tensor], *, step: int, kl: float | None = None
@@ -111,6 +113,7 @@ class NoReference:
     """No reference model: KL terms are dropped and the reference forward is skipped."""
 
     uses_reference = False
+    follows = False
 
     def update(self, ref_params, policy_params, *, step: int, kl: float | None = None) -> bool:
         return False
@@ -124,6 +127,7 @@ class FrozenReference:
     """The reference stays the initial policy (TRL and verl default)."""
 
     uses_reference = True
+    follows = False
 
     def update(self, ref_params, policy_params, *, step: int, kl: float | None = None) -> bool:
         _check_step(step)
@@ -144,6 +148,7 @@ class EMAReference:
     """
 
     uses_reference = True
+    follows = True
 
     def __init__(self, *, decay: float = 0.999, every: int = 1):
         if not 0.0 <= decay <= 1.0:
@@ -169,6 +174,7 @@ class PeriodicReset:
     ``EMAReference(decay=0, every=every)``). TRL: ``ref_model_mixup_alpha=1``."""
 
     uses_reference = True
+    follows = True
 
     def __init__(self, *, every: int = 20):
         if not isinstance(every, int) or every < 1:
@@ -197,6 +203,7 @@ class AdaptiveReset:
     """
 
     uses_reference = True
+    follows = True
 
     def __init__(self, *, kl_threshold: float = 0.5):
         if not kl_threshold > 0:

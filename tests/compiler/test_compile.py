@@ -140,8 +140,15 @@ def hanging_recipe(*hangs_on: str):
     return r
 
 
+def started(agent):
+    """``agent`` with its engine started: the 0.5 s episode deadlines below time the hang, not
+    the engine's start (~0.4 s, and more on a loaded machine)."""
+    assert agent.engine is not None
+    return agent
+
+
 def test_a_hanging_episode_times_out(tiny):
-    step = ml.compile(hanging_recipe(), policy=tiny(trainable=True), group_size=2, max_new_tokens=2,
+    step = ml.compile(hanging_recipe(), policy=started(tiny(trainable=True)), group_size=2, max_new_tokens=2,
                       episode_timeout_s=0.5)
     with pytest.raises(StepFailedError) as info:
         step.run(prompts=["x"])
@@ -152,7 +159,7 @@ def test_a_hanging_episode_times_out(tiny):
 
 @pytest.mark.parametrize("cap", [64, 1])  # episodes that start together share one deadline; queued ones have their own
 def test_a_hanging_group_times_out_and_the_other_group_trains(tiny, cap):
-    step = ml.compile(hanging_recipe("x"), policy=tiny(trainable=True), group_size=2, max_new_tokens=2,
+    step = ml.compile(hanging_recipe("x"), policy=started(tiny(trainable=True)), group_size=2, max_new_tokens=2,
                       episode_timeout_s=0.5, max_concurrent_episodes=cap)
     try:
         metrics = step.run(prompts=["x", "y"])
@@ -300,3 +307,25 @@ def test_seed_custom_penalty_recipe_with_a_mojo_op(tiny, tmp_path):
 
         with pytest.raises(CompileError, match=rf"(?s)node .op. \(op call\): Mojo kernel .* failed to load: .*{message}"):
             ml.compile(r, policy=tiny(trainable=True))
+
+
+@pytest.mark.parametrize("reference", ["frozen", "ema"])
+def test_a_following_reference_moves_after_each_step_and_a_frozen_one_never(tiny, reference):
+    policy, ref = tiny(trainable=True), tiny()
+    recipe = ml.replace(grpo, "rewards", lambda g: ml.reward(toy_reward))
+    step = ml.compile(recipe, policy=policy, ref_policy=ref, group_size=4, max_new_tokens=6, lr=1e-2,
+                      reference=reference, reference_options={"decay": 0.25} if reference == "ema" else {})
+    ref_before = [p.detach().clone() for p in ref.model.parameters()]
+    try:
+        step.run(PROMPTS[:2])
+    finally:
+        step.close()
+    moved = [(a, b) for a, b in zip(ref_before, ref.model.parameters()) if not torch.equal(a, b)]
+    assert any(not torch.equal(a, b) for a, b in zip(ref_before, policy.model.parameters()))  # the policy learned
+    if reference == "frozen":
+        assert step.references == [] and moved == []  # nothing to follow: no reference update is called
+        return
+    assert [r for r, _, _ in step.references] == [ref] and moved
+    for before, after, new in zip(ref_before, ref.model.parameters(), policy.model.parameters()):
+        expected = 0.25 * before.double() + 0.75 * new.detach().double()  # ref <- decay * ref + (1 - decay) * policy
+        assert torch.allclose(after.double(), expected, rtol=0, atol=1e-6 * (1 + expected.abs().max()))
