@@ -97,18 +97,20 @@ def _label(node) -> str:
 
 
 class TickBatcher:
-    """Episodes reaching one row-local node in the same tick share one batch call."""
+    """Episodes reaching one row-local node in the same tick share one batch call. The call runs
+    in the stage's task group, outside the episodes' own scopes, so it carries their deadline
+    itself: it is stopped once the last of its episodes is past its own."""
 
     def __init__(self, run: StageEnv, name: str, tg: anyio.abc.TaskGroup):
         self.run, self.name, self.tg = run, name, tg
-        self.pending: list[tuple[Episode, anyio.Event, list]] = []
+        self.pending: list[tuple[Episode, anyio.Event, list, float]] = []
 
     async def submit(self, ep: Episode) -> Any:
         box: list = []
         done = anyio.Event()
         if not self.pending:
             self.tg.start_soon(self._flush)
-        self.pending.append((ep, done, box))
+        self.pending.append((ep, done, box, anyio.current_effective_deadline()))
         await done.wait()
         ok, value = box[0]
         if not ok:
@@ -118,12 +120,14 @@ class TickBatcher:
     async def _flush(self) -> None:
         await settle(lambda: len(self.pending))
         batch, self.pending = self.pending, []
-        eps = [ep for ep, _, _ in batch]
-        try:
-            results = [(True, v) for v in await call_batch(self.run, self.name, eps)]
-        except Exception as exc:  # noqa: BLE001 - isolate: one call per episode
-            results = [await _alone(self.run, self.name, ep) for ep in eps] if len(eps) > 1 else [(False, exc)]
-        for (_, done, box), result in zip(batch, results):
+        eps = [ep for ep, *_ in batch]
+        results = [(False, StepTimeoutError(f"node {self.name!r} passed its episodes' deadline"))] * len(eps)
+        with anyio.CancelScope(deadline=max(d for *_, d in batch)):  # every episode waiting here has timed out
+            try:
+                results = [(True, v) for v in await call_batch(self.run, self.name, eps)]
+            except Exception as exc:  # noqa: BLE001 - isolate: one call per episode
+                results = [await _alone(self.run, self.name, ep) for ep in eps] if len(eps) > 1 else [(False, exc)]
+        for (_, done, box, _), result in zip(batch, results):
             box.append(result)
             done.set()
 
@@ -280,7 +284,7 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
 
         deadline = anyio.CancelScope(deadline=anyio.current_time() + run.options.episode_timeout_s) \
             if limit is None else _NO_SCOPE
-        with deadline:  # around the episodes alone: group nodes and batch calls in flight are not stopped
+        with deadline:  # around the episodes alone: a tick's batch call carries its episodes' deadline itself
             async with anyio.create_task_group() as episode_tasks:
                 for i, ep in enumerate(episodes):
                     episode_tasks.start_soon(one, i, ep)

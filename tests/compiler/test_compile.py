@@ -329,3 +329,30 @@ def test_a_following_reference_moves_after_each_step_and_a_frozen_one_never(tiny
     for before, after, new in zip(ref_before, ref.model.parameters(), policy.model.parameters()):
         expected = 0.25 * before.double() + 0.75 * new.detach().double()  # ref <- decay * ref + (1 - decay) * policy
         assert torch.allclose(after.double(), expected, rtol=0, atol=1e-6 * (1 + expected.abs().max()))
+
+
+@pytest.mark.parametrize("cap", [64, 1])
+def test_a_hanging_async_reward_times_out_its_episodes(tiny, cap):
+    """A row-local node's batch call (here an async reward, one call per tick for every episode
+    that reached it) is bounded by its episodes' deadline: the step fails their timeout instead of
+    waiting for ever."""
+    async def judge(*, completions, **_):
+        await anyio.sleep(3600)  # a reward service that never answers
+        return [0.0] * len(completions)
+
+    @ml.recipe
+    def r(policy, prompts):
+        c = ml.generate(policy, prompts)
+        ml.set_loss(ml.ppo_loss(ml.advantages(ml.reward(judge), completions=c), ml.logprobs(policy, prompts, c)))
+
+    step = ml.compile(r, policy=started(tiny(trainable=True)), group_size=2, max_new_tokens=2,
+                      episode_timeout_s=0.5, max_concurrent_episodes=cap)
+
+    async def go():
+        with anyio.fail_after(60):  # the bug: the stage waited for the reward call for ever
+            await step.arun(prompts=["x"])
+
+    with pytest.raises(StepFailedError) as info:
+        anyio.run(go)
+    assert "step 1: 2 of 2 episodes failed" in str(info.value)
+    assert "StepTimeoutError in node 'rewards': episode exceeded episode_timeout_s=0.5" in str(info.value)
