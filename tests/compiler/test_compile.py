@@ -356,3 +356,4 @@ def test_a_hanging_async_reward_times_out_its_episodes(tiny, cap):
         anyio.run(go)
     assert "step 1: 2 of 2 episodes failed" in str(info.value)
     assert "StepTimeoutError in node 'rewards': episode exceeded episode_timeout_s=0.5" in str(info.value)
+

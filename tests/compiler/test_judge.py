@@ -3,6 +3,8 @@ and the same model over HTTP (materl's own OpenAI-compatible endpoint). The rand
 answers gibberish, so the parse-failure path runs for real; the success path reads its answer
 with a ``parse=`` the test controls, or teaches the model the answer first."""
 
+import anyio
+import anyio.abc
 import pytest
 
 import materl as ml
@@ -25,8 +27,8 @@ def judged(judge_model, **judge_kw):
     return judged_recipe
 
 
-async def rollout(recipe, prompts=("hi", "yo"), *, steps: list | None = None, **options):
-    compiled = Compiled(recipe, {"policy": ml.Agent("tiny-random")},
+async def rollout(recipe, prompts=("hi", "yo"), *, steps: list | None = None, policy=None, **options):
+    compiled = Compiled(recipe, {"policy": policy or ml.Agent("tiny-random")},
                         CompileOptions(max_new_tokens=5, group_size=2, max_failed_fraction=1.0, **options),
                         rollout_only=True)
     if steps is not None:  # the caller reads the step's live services
@@ -158,3 +160,26 @@ async def test_an_in_process_judge_at_temperature_answers_each_episode_the_same_
     forward, backward, again = await answers([0, 1, 2]), await answers([2, 1, 0]), await answers([1, 0, 2])
     assert forward == backward == again
     assert len(set(forward.values())) == 3  # a seed per question, not one for all
+
+
+@pytest.mark.parametrize("cap", [64, 1])
+async def test_a_group_judge_that_never_answers_times_its_episodes_out(cap):
+    """A relative judge runs once its group is done, outside the episodes' scopes: a judge server
+    that accepts the connection and never answers (its own timeout far away) is stopped at the
+    episodes' deadline, and they are recorded as timed out at the judge."""
+    async def silent(stream):
+        async with stream:
+            await anyio.sleep(3600)
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, silent)
+        with anyio.fail_after(60):  # before the fix: the stage waited for the judge for ever
+            policy = ml.Agent("tiny-random")
+            assert policy.engine is not None  # started: the deadline times the judge, not the model's load
+            episodes = await rollout(judged(f"http://127.0.0.1:{port}/v1", api_key="k", relative=True,
+                                            timeout_s=3600, retries=0),
+                                     policy=policy, episode_timeout_s=2.0, max_concurrent_episodes=cap)
+        tg.cancel_scope.cancel()
+    assert {(ep.error.node, ep.error.kind) for ep in episodes} == {("judge", "StepTimeoutError")}
