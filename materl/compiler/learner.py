@@ -159,21 +159,43 @@ class Learner:
         return self.batch.width
 
     # -- prepare: once per batch, no gradient --
-    async def prepare(self) -> None:
-        plan = self.plan
-        for name in plan.order:
-            role = plan.role(name)
-            if role is Role.FORWARD and (name in plan.prepare or name in plan.live):
-                impl, node = plan.impl(name), plan.nodes[name]
-                run = self.partition.forward if self.run.agent(node).trainable else _call
-                out = await compute.acall(run, partial(impl.prepare, self, node, live=name in plan.live))
-                rows = self.batch.per_episode(out) if out is not None else ()  # None: learn stores them
-                for ep, row in zip(self.episodes, rows):
-                    ep.store(name, row)
-            elif name in plan.prepare:
-                for ep, value in zip(self.episodes, await call_batch(self.run, name, self.episodes)):
-                    ep.store(name, value)
-                self.batch_metrics |= _episode_means(self.episodes, f"{name}/")
+    async def prepare(self, *, then: Callable[[], T] | None = None) -> T | None:
+        """Run the prepare nodes in plan order: each run of forwards in one compute call (their
+        values stored on the episodes there), the other nodes (advantages, shaped rewards) as
+        batch calls in this event loop. ``then``: compute work to run once prepare is done, in
+        the same compute call when prepare ends with forwards (a thread hop fewer each way); its
+        result is returned. Sets ``timings["stage/prepare"]``."""
+        t0, plan = time.perf_counter(), self.plan
+        names = [n for n in plan.order if n in plan.prepare or (n in plan.live and plan.role(n) is Role.FORWARD)]
+        i = 0
+        while i < len(names):
+            if plan.role(names[i]) is not Role.FORWARD:
+                for ep, value in zip(self.episodes, await call_batch(self.run, names[i], self.episodes)):
+                    ep.store(names[i], value)
+                self.batch_metrics |= _episode_means(self.episodes, f"{names[i]}/")
+                i += 1
+                continue
+            j = next((k for k in range(i, len(names)) if plan.role(names[k]) is not Role.FORWARD), len(names))
+            if j == len(names) and then is not None:
+                return await compute.acall(self.forwards, names[i:], then=then, t0=t0)
+            await compute.acall(self.forwards, names[i:j])
+            i = j
+        self.timings["stage/prepare"] = time.perf_counter() - t0
+        return None if then is None else await compute.acall(then)
+
+    def forwards(self, names: list[str], *, then: Callable[[], T] | None = None, t0: float = 0.0) -> T | None:
+        """Compute thread: prepare forwards ``names`` in order, each one's rows stored on the
+        episodes (a live forward's are stored by the update); then ``then()`` (``prepare``)."""
+        for name in names:
+            impl, node = self.plan.impl(name), self.plan.nodes[name]
+            run = self.partition.forward if self.run.agent(node).trainable else _call
+            out = run(partial(impl.prepare, self, node, live=name in self.plan.live))
+            for ep, row in zip(self.episodes, self.batch.per_episode(out) if out is not None else ()):
+                ep.store(name, row)
+        if then is None:
+            return None
+        self.timings["stage/prepare"] = time.perf_counter() - t0
+        return then()
 
     # -- update --
     def micro_step(self, idx: Tensor, denoms: Denominators) -> tuple[Tensor, dict]:

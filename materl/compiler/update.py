@@ -10,8 +10,8 @@ compiled step's agents and says which version they are; it never writes the step
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 from materl import compute
@@ -59,12 +59,10 @@ class InProcessLearner:
             await compute.acall(compiled.optimizer_set.init_state)
             self.states_made = True
         learner = Learner(StageEnv(compiled.context(), compiled.agents), episodes, compiled.optimizer_set)
-        t0 = time.perf_counter()
-        await learner.prepare()
-        timings = {"stage/prepare": time.perf_counter() - t0}
-        metrics = advantage_turn_metrics(compiled.plan, episodes, rollout_reader(compiled.plan))  # advantages exist now
-        metrics.update(await compute.acall(learner.run_updates))
-        return Update(metrics, compiled.step_count + 1, timings | learner.timings)
+        turns = partial(advantage_turn_metrics, compiled.plan, episodes, rollout_reader(compiled.plan))
+        # once prepared (the advantages exist), in the compute call of prepare's last forwards
+        metrics = await learner.prepare(then=lambda: turns() | learner.run_updates())
+        return Update(metrics, compiled.step_count + 1, dict(learner.timings))
 
     async def skip(self, compiled: Compiled) -> None:
         return None
