@@ -143,7 +143,8 @@ def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[
         per_turn.setdefault("first_turn", []).append(means[0])
         per_turn.setdefault("last_turn", []).append(means[-1])
     out: dict[str, float] = {}
-    for key, vals in per_turn.items():
-        t = torch.tensor(vals, dtype=torch.float64)
-        out[f"advantages/{key}/mean"], out[f"advantages/{key}/std"] = float(t.mean()), float(t.std(unbiased=False))
+    for key, vals in per_turn.items():  # a few dozen floats: plain float64 sums, no tensors
+        mean = math.fsum(vals) / len(vals)
+        out[f"advantages/{key}/mean"] = mean
+        out[f"advantages/{key}/std"] = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / len(vals))
     return out
