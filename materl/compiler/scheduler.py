@@ -16,7 +16,6 @@ own episode, as with per-episode calls.
 from __future__ import annotations
 
 import inspect
-import math
 import time
 from contextlib import nullcontext
 from collections.abc import Callable, Sequence
@@ -167,21 +166,18 @@ def episode_nodes(run: StageEnv, tg: anyio.abc.TaskGroup) -> list[EpisodeNode]:
     return out
 
 
-async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode], *, own_deadline: bool = True,
-                      deadline_at: float | None = None) -> None:
+async def run_episode(run: StageEnv, ep: Episode, nodes: Sequence[EpisodeNode], *, own_deadline: bool = True) -> None:
     """Run ``ep`` through the plan's episode nodes, recording a failure or a timeout on it. Per
     node this is the hot path of the rollout stage (a few microseconds matter: one clock read, no
-    wrapper coroutine for an op whose function can be called as it is). ``deadline_at``: when the
-    episode's time is up (default: ``episode_timeout_s`` from now). ``own_deadline=False``: the
-    caller's scope holds the deadline (``rollout_stage``'s one scope for episodes that start
+    wrapper coroutine for an op whose function can be called as it is). ``own_deadline=False``:
+    the caller's scope holds the deadline (``rollout_stage``'s one scope for episodes that start
     together) and records the timeouts."""
     name = "(start)"
     values, timings = ep.values, ep.timings
     timeout_s = run.options.episode_timeout_s
     try:
         # anyio.fail_after's own logic without its two generator context managers (a third of its cost)
-        deadline = anyio.CancelScope(deadline=deadline_at if deadline_at is not None else
-                                     anyio.current_time() + timeout_s) if own_deadline else None
+        deadline = anyio.CancelScope(deadline=anyio.current_time() + timeout_s) if own_deadline else None
         with deadline or _NO_SCOPE:
             t0 = time.perf_counter()
             for en in nodes:
@@ -262,7 +258,6 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
     cap = run.options.max_concurrent_episodes  # no semaphore (two loop passes per episode) when all fit
     limit = anyio.Semaphore(cap) if len(episodes) > cap else None
     running = set(range(len(episodes)))
-    due: dict[int, float] = {}  # each episode's deadline by id: its group's nodes are bound by its members'
     t0 = time.perf_counter()
     async with anyio.create_task_group() as tg:
         nodes = episode_nodes(run, tg)
@@ -277,21 +272,19 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
             if remaining[ep.group] == 0:
                 drop_shrunk_group(groups[ep.group], run.options.infra_failures)
                 if plan.group:
-                    firer.ready(groups[ep.group], max(due.get(id(m), -math.inf) for m in groups[ep.group]))
+                    firer.ready(groups[ep.group])
 
         async def one(i: int, ep: Episode) -> None:
             if limit is None:
-                due[id(ep)] = deadline.deadline
                 await run_episode(run, ep, nodes, own_deadline=False)
             else:
                 async with limit:
-                    due[id(ep)] = anyio.current_time() + run.options.episode_timeout_s
-                    await run_episode(run, ep, nodes, deadline_at=due[id(ep)])
+                    await run_episode(run, ep, nodes)
             finish(i, ep)
 
         deadline = anyio.CancelScope(deadline=anyio.current_time() + run.options.episode_timeout_s) \
             if limit is None else _NO_SCOPE
-        with deadline:  # around the episodes alone: a tick's batch call carries its episodes' deadline itself
+        with deadline:  # around the episodes alone: batch calls and group nodes carry deadlines of their own
             async with anyio.create_task_group() as episode_tasks:
                 for i, ep in enumerate(episodes):
                     episode_tasks.start_soon(one, i, ep)
@@ -304,26 +297,24 @@ async def rollout_stage(run: StageEnv, episodes: list[Episode], *,
 
 class GroupFirer:
     """Finished groups run the plan's group nodes; those that finish in the same tick share one
-    call per group-local node (locality "group"), other group nodes get one call per group. The
-    calls are bound by the groups' deadlines (their members' latest): a member left without a
-    group node's value then is recorded as timed out there."""
+    call per group-local node (locality "group"), other group nodes get one call per group. A
+    group's nodes run once its last member is done, often at that member's deadline, so they get
+    ``episode_timeout_s`` of their own from then: a member left without a group node's value
+    after it is recorded as timed out there."""
 
     def __init__(self, run: StageEnv, tg: anyio.abc.TaskGroup):
         self.run, self.tg = run, tg
         self.pending: list[list[Episode]] = []
-        self.deadline = -math.inf
 
-    def ready(self, members: list[Episode], deadline: float) -> None:
+    def ready(self, members: list[Episode]) -> None:
         if not self.pending:
             self.tg.start_soon(self._flush)
         self.pending.append(members)
-        self.deadline = max(self.deadline, deadline)
 
     async def _flush(self) -> None:
         await settle(lambda: len(self.pending))
         groups, self.pending = self.pending, []
-        deadline, self.deadline = self.deadline, -math.inf
-        with anyio.CancelScope(deadline=deadline) as scope:
+        with anyio.CancelScope(deadline=anyio.current_time() + self.run.options.episode_timeout_s) as scope:
             await self._fire_all(groups)
         if scope.cancelled_caught:
             for m in (m for g in groups for m in g if m.ok):

@@ -165,8 +165,8 @@ async def test_an_in_process_judge_at_temperature_answers_each_episode_the_same_
 @pytest.mark.parametrize("cap", [64, 1])
 async def test_a_group_judge_that_never_answers_times_its_episodes_out(cap):
     """A relative judge runs once its group is done, outside the episodes' scopes: a judge server
-    that accepts the connection and never answers (its own timeout far away) is stopped at the
-    episodes' deadline, and they are recorded as timed out at the judge."""
+    that accepts the connection and never answers (its own timeout far away) is stopped
+    ``episode_timeout_s`` after that, and the episodes are recorded as timed out at the judge."""
     async def silent(stream):
         async with stream:
             await anyio.sleep(3600)
