@@ -28,6 +28,7 @@ group is not reusable after that: start a new one and ``load_state`` the last ch
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -55,6 +56,17 @@ def require_ray():
         raise ExtraNotInstalledError('learner ranks on Ray need Ray: pip install "materl[ray]" '
                                      f"(import failed: {exc})") from exc
     return ray
+
+
+STOP_WAIT_S = 10.0
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 class _Rank:
@@ -115,8 +127,12 @@ class LearnerGroup:
         remote = ray.remote(_Rank).options(num_cpus=num_cpus, num_gpus=num_gpus, **dict(actor_options or {}))
         self.actors = [remote.remote(max(1, int(num_cpus))) for _ in range(world_size)]
         self.pids: list[int | None] = [None] * world_size
+        self.local_pids: list[int] = []  # the ranks' processes on this machine (``shutdown`` waits for them)
         self.pids = self._all("start-up", lambda a, r: a.pid.remote())
-        master = self._all("finding the rendezvous", lambda a, r: a.address.remote())[0]
+        addresses = self._all("finding the rendezvous", lambda a, r: a.address.remote())
+        here = ray.util.get_node_ip_address()
+        self.local_pids = [pid for pid, (ip, _) in zip(self.pids, addresses) if ip == here]
+        master = addresses[0]
         self._all("set up", lambda a, r: a.setup.remote(r, world_size, master, options, agents, strategy,
                                                           num_gpus > 0, timeout_s))
 
@@ -146,11 +162,16 @@ class LearnerGroup:
         self.version = state.version
 
     def shutdown(self) -> None:
-        """Kill every rank's actor (their processes end); the group cannot be used after this."""
+        """Kill every rank's actor and wait (at most ``STOP_WAIT_S``) until the processes of those
+        on this machine have ended: ``ray.kill`` only asks. The group cannot be used after this."""
         ray = require_ray()
         for actor in self.actors:
             ray.kill(actor)
         self.actors = []
+        deadline = time.monotonic() + STOP_WAIT_S
+        for pid in self.local_pids:
+            while time.monotonic() < deadline and _running(pid):
+                time.sleep(0.02)
 
     # -- every rank at once, failing as one --
     def _all(self, what: str, call) -> list:
