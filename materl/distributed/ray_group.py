@@ -42,6 +42,7 @@ from materl.distributed.learner import STRATEGIES, DistributedLearner, RankUpdat
 from materl.distributed.state import LearnerState
 from materl.distributed.torchrun import free_port, init_process_group
 from materl.errors import ConfigError
+from materl.pids import alive
 
 Agents = Mapping[str, AgentSpec] | Callable[[], Mapping[str, Any]]
 
@@ -59,14 +60,6 @@ def require_ray():
 
 
 STOP_WAIT_S = 10.0
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 class _Rank:
@@ -170,7 +163,7 @@ class LearnerGroup:
         self.actors = []
         deadline = time.monotonic() + STOP_WAIT_S
         for pid in self.local_pids:
-            while time.monotonic() < deadline and _running(pid):
+            while time.monotonic() < deadline and alive(pid, count_self=False):
                 time.sleep(0.02)
 
     # -- every rank at once, failing as one --

@@ -58,7 +58,7 @@ from materl.runtime.checkpoint_meta import PREFIX as _PREFIX
 from materl.runtime.checkpoint_meta import complete as _complete
 from materl.runtime.config import config_to_dict
 from materl.runtime.manifest import MANIFEST, confined, has_manifest, save_error, verify, write_manifest, writing
-from materl.runtime.pids import alive
+from materl.pids import alive
 from materl.runtime.rng import rng_state, set_rng_state
 
 FORMAT = 2  # 2: with manifest.json; 1 (no manifest) still loads, unverified

@@ -54,7 +54,7 @@ from materl.runtime.compare import common_metrics, compare, direction, load_runs
 from materl.runtime.config import resolve_data_source, validate_config
 from materl.runtime.config_yaml import apply_override, read_config_data
 from materl.runtime.logging import METRICS_FILE
-from materl.runtime.pids import alive
+from materl.pids import alive
 from materl.runtime.sweep_space import distributions, first_values, import_optuna, trial_data
 from materl.runtime.trial_process import LocalTrial, RayTrial, TrialProcess
 from materl.validation import describe

@@ -1,10 +1,10 @@
-"""materl/runtime/pids.py: the one liveness check for files that name their writer's pid."""
+"""materl/pids.py: the one liveness check for files that name their writer's pid."""
 
 import os
 import subprocess
 import sys
 
-from materl.runtime.pids import alive
+from materl.pids import alive
 
 
 def test_own_pid_counts_as_the_caller_says():
