@@ -52,16 +52,30 @@ def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
     m: dict[str, float] = {}
     reward_nodes = [n for n in plan.order if output_of(plan.nodes[n]).kind is Kind.SCORE]
     for name in reward_nodes:
-        totals = torch.tensor([_total(e.values[name]) for e in ok if name in e.values])
-        if len(totals):
+        totals = [_total(e.values[name]) for e in ok if name in e.values]
+        if totals:
             key = "reward" if name == reward_nodes[0] else f"reward/{name}"
-            m[f"{key}/mean" if key != "reward" else "reward"] = float(totals.mean())
-            m[f"{key}/std"] = float(totals.std(unbiased=False))
+            m[f"{key}/mean" if key != "reward" else "reward"], m[f"{key}/std"] = mean_std(totals)
     comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/", "judge/", "self_play/"))})
     for k in comps:
-        vals = torch.tensor([e.metrics[k] for e in ok if k in e.metrics])
-        m[f"{k}/mean"], m[f"{k}/std"] = float(vals.mean()), float(vals.std(unbiased=False))
+        m[f"{k}/mean"], m[f"{k}/std"] = mean_std([float(e.metrics[k]) for e in ok if k in e.metrics])
     return m
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and population standard deviation of a few dozen per-episode numbers, in float64
+    (``math.fsum``: no tensor made for them); NaN when they hold both infinities."""
+    mean = _fmean(values)
+    if math.isnan(mean):
+        return mean, mean
+    return mean, math.sqrt(_fmean([(v - mean) ** 2 for v in values]))
+
+
+def _fmean(values: list[float]) -> float:
+    try:
+        return math.fsum(values) / len(values)
+    except ValueError:  # inf + -inf
+        return math.nan
 
 
 def _total(value) -> float:
@@ -134,7 +148,7 @@ def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[
         for step in rollout.steps:
             n = len(step.token_ids)
             if step.trainable and n and pos + n <= len(adv):
-                means.append(math.fsum(adv[pos:pos + n]) / n)
+                means.append(_fmean(adv[pos:pos + n]))
             pos += n
         if len(adv) == 1 or not means:
             continue
@@ -143,8 +157,6 @@ def advantage_turn_metrics(plan, episodes: list[Episode], rollout_of: Callable[[
         per_turn.setdefault("first_turn", []).append(means[0])
         per_turn.setdefault("last_turn", []).append(means[-1])
     out: dict[str, float] = {}
-    for key, vals in per_turn.items():  # a few dozen floats: plain float64 sums, no tensors
-        mean = math.fsum(vals) / len(vals)
-        out[f"advantages/{key}/mean"] = mean
-        out[f"advantages/{key}/std"] = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / len(vals))
+    for key, vals in per_turn.items():
+        out[f"advantages/{key}/mean"], out[f"advantages/{key}/std"] = mean_std(vals)
     return out

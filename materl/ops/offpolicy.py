@@ -189,5 +189,6 @@ def logprob_mismatch(learner_logp: Tensor, sampling_logp: Tensor, mask: Tensor) 
     x = (learner_logp.detach().double() - sampling_logp.detach().double())[keep]
     if x.numel() == 0:
         return {"mean_abs": 0.0, "max_abs": 0.0, "kl": 0.0, "kl_k1": 0.0}
-    return {"mean_abs": float(x.abs().mean()), "max_abs": float(x.abs().max()),
-            "kl": float((torch.exp(x) - 1.0 - x).mean()), "kl_k1": float((-x).mean())}
+    a = x.abs()
+    return {"mean_abs": float(a.mean()), "max_abs": float(a.max()),
+            "kl": float((torch.exp(x) - 1.0 - x).mean()), "kl_k1": -float(x.mean())}

@@ -206,6 +206,8 @@ def _gather_mismatch(learner, node: Node, sb: SeqBatch, logp: Tensor) -> None:
 
 
 def _finish_mismatch(seen: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, float]:
+    if len(seen) == 1:  # one micro-batch: its tensors as they are
+        return _mismatch_metrics(*seen[0])
     return _mismatch_metrics(*(torch.cat(parts) for parts in zip(*seen)))  # rows of one SeqBatch: one width
 
 
