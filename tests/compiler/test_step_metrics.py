@@ -103,3 +103,15 @@ def test_tool_metrics_are_zero_on_a_step_without_calls():
     # one forced call per episode, answered without an error: 1 call per episode, all succeeded
     m = tool_metrics(force=True)
     assert (m["tool_calls"], m["tool_success"]) == (1.0, 1.0)
+
+
+def test_the_per_episode_statistics_are_float64_mean_and_population_std():
+    from math import isnan, sqrt
+
+    from materl.compiler.metrics import mean_std
+
+    mean, std = mean_std([1.0, 2.0, 4.0])
+    assert mean == 7 / 3 and abs(std - sqrt(14 / 9)) <= 1e-15  # ((1-7/3)^2 + (2-7/3)^2 + (4-7/3)^2) / 3
+    assert mean_std([0.1] * 10) == (0.1, 0.0)  # equal scores: no spread (a float32 mean would not be 0.1)
+    assert mean_std([5.0]) == (5.0, 0.0)
+    assert all(isnan(v) for v in mean_std([float("inf"), float("-inf")]))  # not fsum's ValueError
