@@ -17,8 +17,11 @@ agent endpoints, the recipe's toolboxes), starts them with its first rollout and
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,10 +41,11 @@ from materl.compiler.references import reference_pairs, update_references
 from materl.compiler.scheduler import rollout_stage
 from materl.compiler.services import Services
 from materl.compiler.services import close as close_services
-from materl.compiler.update import InProcessLearner, LearnerBackend
+from materl.compiler.update import InProcessLearner, LearnerBackend, Update
 from materl.errors import CompileError
 from materl.graph.node import Recipe
 
+log = logging.getLogger("materl")
 STOP_WAIT_S = 10.0  # how long an interrupted step may take to unwind before the caller goes on
 _ROLLOUTS = itertools.count()  # rollout calls in this process: part of every episode's uid
 
@@ -101,10 +105,19 @@ class Compiled:
         """One training step: rollout, learner, update. Blocking; inside a running event loop use
         ``await arun(...)``. Blocking calls share one background event loop, so tool servers
         started by the first step stay up for the next ones (``close()`` stops them).
-        ``on_episode(episode)`` is called as each episode finishes (e.g. a progress bar)."""
-        return self.call_blocking(self.arun, prompts, on_episode=on_episode, **columns)
+        ``on_episode(episode)`` is called as each episode finishes (e.g. a progress bar).
+        Returns as soon as the step's last compute work (in this thread) has made its metrics:
+        the wake-up of the event loop, whose task then only returns them, is not waited for."""
+        answer: Future = Future()
+        return self._blocking(self._step, (prompts, on_episode, columns, answer), answer=answer)
 
     def call_blocking(self, fn, *args, **kwargs):
+        """``await fn(*args, **kwargs)`` in the step's event loop, this thread serving its compute work."""
+        return self._blocking(fn, args, kwargs)
+
+    def _blocking(self, fn, args: tuple, kwargs: dict | None = None, *, answer: Future | None = None):
+        """``call_blocking``; with ``answer``, a future ``fn`` sets with its result before it
+        returns, the result as soon as that is set."""
         import asyncio
 
         try:
@@ -113,12 +126,15 @@ class Compiled:
         except RuntimeError:
             inside = False
         if inside:
-            raise CompileError(f"compiled.{fn.__name__.lstrip('a')}() was called inside an event loop; "
-                               f"use `await compiled.{fn.__name__}(...)`")
+            name = "arun" if fn == self._step else fn.__name__
+            raise CompileError(f"compiled.{name.lstrip('a')}() was called inside an event loop; "
+                               f"use `await compiled.{name}(...)`")
         with compute.serving() as here:  # this thread decodes and learns while the loop runs the step
-            future = self._loop.submit(fn, *args, **kwargs)
+            future = self._loop.submit(fn, *args, **(kwargs or {}))
+            if answer is not None:
+                future.add_done_callback(partial(_settle, answer))
             try:
-                return here.until(future)
+                return here.until(answer or future)
             except BaseException:  # Ctrl-C or a signal (materl.runtime.signals) while the step runs
                 if not future.done():
                     self._stop(future, here)
@@ -158,13 +174,13 @@ class Compiled:
 
     async def arun(self, prompts: Sequence[Any] | None = None, *,
                    on_episode: Callable[[Episode], None] | None = None, **columns: Any) -> dict[str, float]:
+        return await self._step(prompts, on_episode, columns)
+
+    async def _step(self, prompts, on_episode, columns: dict, answer: Future | None = None) -> dict[str, float]:
         self.timings = {}
         t0 = time.perf_counter()
         episodes = await self.rollout(prompts, on_episode=on_episode, **columns)
-        metrics = await self.learn(episodes)
-        metrics["time/step"] = time.perf_counter() - t0
-        metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/step"]
-        return metrics
+        return await self.learn(episodes, started=t0, answer=answer)
 
     async def rollout(self, prompts: Sequence[Any] | None = None, *, group_size: int | None = None,
                       greedy: bool = False, on_episode: Callable[[Episode], None] | None = None,
@@ -177,20 +193,30 @@ class Compiled:
                                                             on_episode=on_episode)
         return episodes
 
-    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None) -> dict[str, float]:
+    async def learn(self, episodes: list[Episode], *, rollout_s: float | None = None, started: float | None = None,
+                    answer: Future | None = None) -> dict[str, float]:
         """The learner stage on finished episodes (``rollout_s``: how long their rollout took,
         reported as ``time/rollout``): failure policy, the update on this step's learner backend
-        (``learn_on``), weight sync, references. A step that tool infrastructure failures left
-        nothing to learn from is ``skip``ped."""
+        (``learn_on``), then ``finish`` (weight sync, references, metrics) in the compute thread. A
+        step that tool infrastructure failures left nothing to learn from is ``skip``ped.
+        ``started``: when the step began (``perf_counter``; the metrics get ``time/step`` and
+        ``tokens_per_s``); ``answer``: a future set with the metrics once they are made (``run``)."""
         if rollout_s is not None:  # a pipeline's step: the rollout ran elsewhere
             self.timings = {"stage/rollout": rollout_s}
         metrics, update = self.assess(episodes)
         if not update:
             await self.learner.skip(self)
-            return self.skip(episodes, metrics | {f"time/{k}": v for k, v in self.timings.items()})
+            metrics = self.skip(episodes, metrics | {f"time/{k}": v for k, v in self.timings.items()})
+            return _answered(metrics, started, answer)
         ok = [e for e in episodes if e.ok]
         self.last_episodes = ok
-        done = await self.learner.update(self, ok)
+        return await self.learner.update(self, ok, then=partial(self.finish, metrics, started=started, answer=answer))
+
+    def finish(self, metrics: dict[str, float], done: Update, *, started: float | None = None,
+               answer: Future | None = None) -> dict[str, float]:
+        """The end of a step that made update ``done`` (compute thread, right after it): the step
+        count and the trainable agents' policy version, their engines' weights, the reference
+        policies that follow, and the step's metrics (``metrics``: its rollout's, completed here)."""
         self.timings.update(done.timings)
         self.step_count = done.version
         for agent in {id(a): a for a in self.agents.values()}.values():
@@ -198,11 +224,11 @@ class Compiled:
                 agent.sync_engine()  # in-process: drops stale copies; SGLang: pushes the new weights
                 agent.policy_version = self.step_count
         if self.references:  # a reference that follows the policy (not "frozen", the default)
-            await compute.acall(self.update_references, done.metrics.get("policy_loss/kl", done.metrics.get("kl")))
+            self.update_references(done.metrics.get("policy_loss/kl", done.metrics.get("kl")))
         metrics.update(done.metrics)
         metrics.update({f"time/{k}": v for k, v in self.timings.items()})
         metrics["step"] = self.step_count
-        return metrics
+        return _answered(metrics, started, answer)
 
     def learn_on(self, backend: LearnerBackend | None) -> None:
         """Run the updates of the next steps on ``backend`` (e.g. ``distributed.ranks.RankedLearner``);
@@ -265,6 +291,32 @@ class Compiled:
 
     def __repr__(self) -> str:
         return f"<compiled {self.recipe.name}: {len(self.plan.order)} nodes, agents {', '.join(self.agents)}>"
+
+
+def _answered(metrics: dict[str, float], started: float | None, answer: Future | None) -> dict[str, float]:
+    """A step's finished ``metrics``, with its time and throughput when it ``started`` then; set
+    into ``answer`` too."""
+    if started is not None:
+        metrics["time/step"] = time.perf_counter() - started
+        metrics["tokens_per_s"] = metrics["tokens"] / metrics["time/step"]
+    if answer is not None:
+        answer.set_result(metrics)
+    return metrics
+
+
+def _settle(answer: Future, task: Future) -> None:
+    """The step's task ended: its outcome is the answer if the step did not set one (it raised,
+    or was cancelled). An error after the answer was set cannot be returned to anyone: log it."""
+    if answer.done():
+        if not task.cancelled() and task.exception() is not None:
+            log.error("materl: the step's event-loop task failed after its metrics were returned", exc_info=task.exception())
+        return
+    if task.cancelled():
+        answer.cancel()
+    elif task.exception() is not None:
+        answer.set_exception(task.exception())
+    else:
+        answer.set_result(task.result())
 
 
 __all__ = ["compile", "Compiled"]

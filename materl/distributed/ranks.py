@@ -25,13 +25,18 @@ that step is kept, and the last checkpoint is the one to resume from.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import anyio
 
+from materl import compute
 from materl.compiler.compiled import Compiled
 from materl.compiler.episode import Episode
 from materl.compiler.update import Update
 from materl.distributed.state import LearnerState
+
+T = TypeVar("T")
 
 
 class RankedLearner:
@@ -70,9 +75,10 @@ class RankedLearner:
         for name, opt in self.compiled.optimizers.items():
             opt.load_state_dict(state.optimizers[name])
 
-    async def update(self, compiled: Compiled, episodes: list[Episode]) -> Update:
+    async def update(self, compiled: Compiled, episodes: list[Episode], *, then: Callable[[Update], T]) -> T:
         """The update on the ranks (in a thread: rollouts go on meanwhile); the new weights are
-        loaded into the driver's agents (``update.LearnerBackend``)."""
+        loaded into the driver's agents, then ``then`` runs in the compute thread
+        (``update.LearnerBackend``)."""
         lrs = {n: [g["lr"] for g in opt.param_groups] for n, opt in compiled.optimizers.items()}
         t0 = time.perf_counter()
         result = await anyio.to_thread.run_sync(self.group.step, episodes, compiled.context(), lrs)
@@ -81,7 +87,8 @@ class RankedLearner:
         learned = dict(result.metrics)
         timings = {"stage/prepare": learned.pop("time/prepare"), "stage/learner": learned.pop("time/learner"),
                    "ranks": t1 - t0, "load_weights": time.perf_counter() - t1}
-        return Update({k: v for k, v in learned.items() if not k.startswith("time/")}, result.version, timings)
+        done = Update({k: v for k, v in learned.items() if not k.startswith("time/")}, result.version, timings)
+        return await compute.acall(then, done)
 
     async def skip(self, compiled: Compiled) -> None:
         """The ranks count a skipped step too (their version advances with the driver's)."""

@@ -357,3 +357,28 @@ def test_a_hanging_async_reward_times_out_its_episodes(tiny, cap):
     assert "step 1: 2 of 2 episodes failed" in str(info.value)
     assert "StepTimeoutError in node 'rewards': episode exceeded episode_timeout_s=0.5" in str(info.value)
 
+
+
+def test_a_steps_end_runs_in_the_compute_thread_and_run_returns_its_metrics(tiny):
+    """The end of a step (engines' weights, policy version, following references, metrics) runs in
+    the thread that serves the step's compute work, right after the update: ``run`` returns the
+    metrics from there. An error in it still reaches the caller of ``run``."""
+    import threading
+
+    policy, ref = tiny(trainable=True), tiny()
+    recipe = ml.replace(grpo, "rewards", lambda g: ml.reward(toy_reward))
+    step = ml.compile(recipe, policy=policy, ref_policy=ref, group_size=4, max_new_tokens=6, lr=1e-2, reference="ema")
+    synced, updated = [], []
+    sync, update_references = policy.sync_engine, step.update_references
+    policy.sync_engine = lambda: (synced.append(threading.current_thread()), sync())[1]
+    step.update_references = lambda kl: (updated.append(threading.current_thread()), update_references(kl))[1]
+    try:
+        metrics = step.run(PROMPTS[:2])
+        assert synced == updated == [threading.current_thread()]  # the caller's thread serves the compute work
+        assert metrics["step"] == step.step_count == policy.policy_version == 1
+        assert metrics["time/step"] > 0 and metrics["tokens_per_s"] == metrics["tokens"] / metrics["time/step"]
+        policy.sync_engine = lambda: (_ for _ in ()).throw(RuntimeError("weight push failed"))
+        with pytest.raises(RuntimeError, match="weight push failed"):
+            step.run(PROMPTS[:2])
+    finally:
+        step.close()

@@ -105,13 +105,24 @@ def test_tool_metrics_are_zero_on_a_step_without_calls():
     assert (m["tool_calls"], m["tool_success"]) == (1.0, 1.0)
 
 
-def test_the_per_episode_statistics_are_float64_mean_and_population_std():
+def test_the_turn_statistics_are_a_float64_mean_and_population_std():
     from math import isnan, sqrt
 
     from materl.compiler.metrics import mean_std
 
     mean, std = mean_std([1.0, 2.0, 4.0])
     assert mean == 7 / 3 and abs(std - sqrt(14 / 9)) <= 1e-15  # ((1-7/3)^2 + (2-7/3)^2 + (4-7/3)^2) / 3
-    assert mean_std([0.1] * 10) == (0.1, 0.0)  # equal scores: no spread (a float32 mean would not be 0.1)
+    assert mean_std([0.1] * 10) == (0.1, 0.0)  # equal values: no spread
     assert mean_std([5.0]) == (5.0, 0.0)
     assert all(isnan(v) for v in mean_std([float("inf"), float("-inf")]))  # not fsum's ValueError
+
+
+def test_reward_statistics_batched_by_count_equal_one_tensor_per_key():
+    from materl.compiler.metrics import _column_stats
+
+    columns = {"reward": [0.9062, 0.9062, 0.6812, 0.25], "reward/a": [1, 2, 4, 8], "judge/b": [0.1, 0.7, 0.2],
+               "agent/c": [3.5]}
+    stats = _column_stats(columns)
+    for key, values in columns.items():
+        alone = torch.tensor(values, dtype=torch.float32)
+        assert stats[key] == (float(alone.mean()), float(alone.std(unbiased=False)))  # bitwise, in float32
