@@ -109,13 +109,13 @@ class Compiled:
         Returns as soon as the step's last compute work (in this thread) has made its metrics:
         the wake-up of the event loop, whose task then only returns them, is not waited for."""
         answer: Future = Future()
-        return self._blocking(self._step, (prompts, on_episode, columns, answer), answer=answer)
+        return self._blocking(self._step, (prompts, on_episode, columns, answer), {}, answer=answer)
 
     def call_blocking(self, fn, *args, **kwargs):
         """``await fn(*args, **kwargs)`` in the step's event loop, this thread serving its compute work."""
         return self._blocking(fn, args, kwargs)
 
-    def _blocking(self, fn, args: tuple, kwargs: dict | None = None, *, answer: Future | None = None):
+    def _blocking(self, fn, args: tuple, kwargs: dict, *, answer: Future | None = None):
         """``call_blocking``; with ``answer``, a future ``fn`` sets with its result before it
         returns, the result as soon as that is set."""
         import asyncio
@@ -130,11 +130,11 @@ class Compiled:
             raise CompileError(f"compiled.{name.lstrip('a')}() was called inside an event loop; "
                                f"use `await compiled.{name}(...)`")
         with compute.serving() as here:  # this thread decodes and learns while the loop runs the step
-            future = self._loop.submit(fn, *args, **(kwargs or {}))
+            future = self._loop.submit(fn, *args, **kwargs)
             if answer is not None:
                 future.add_done_callback(partial(_settle, answer))
             try:
-                return here.until(answer or future)
+                return here.until(answer if answer is not None else future)
             except BaseException:  # Ctrl-C or a signal (materl.runtime.signals) while the step runs
                 if not future.done():
                     self._stop(future, here)
