@@ -26,7 +26,9 @@ on the same questions. A teacher for it: a curriculum run kept by ``curriculum.p
         --steps 12 --eval-every 1 --just-decide --seeds 0 1 2
 
 ``--just-decide``: GRPO trains at most twice the steps distillation needed on that seed (enough
-to decide the goal; its curve is then cut there).
+to decide the goal; its curve is then cut there). ``--methods grpo`` (or ``distill``) runs one arm
+only, e.g. the two arms in two processes; ``--target`` then gives the teacher's held-out accuracy
+where an earlier run measured it, and with ``--methods grpo`` no teacher is loaded at all.
 """
 
 from __future__ import annotations
@@ -144,16 +146,21 @@ def main() -> None:
     p.add_argument("--just-decide", action="store_true",
                    help="GRPO trains at most twice the steps distillation needed (enough to decide the goal)")
     p.add_argument("--full-curves", action="store_true", help="train all --steps, not only until the teacher")
+    p.add_argument("--methods", nargs="+", choices=("distill", "grpo"), default=["distill", "grpo"])
+    p.add_argument("--target", type=float, default=None,
+                   help="the teacher's held-out accuracy, measured by an earlier run (not measured again)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--train-rows", type=int, default=12 * BATCH,
                    help="the training questions (the demo's 24), the same whatever --steps is, so that runs with "
                         "different --steps or --eval-every train on the same data")
     args = p.parse_args()
+    if args.methods == ["grpo"] and args.target is not None:
+        return compare(args, None)
     with tempfile.TemporaryDirectory(prefix="teacher-") as tmp:
         compare(args, args.teacher or str(ml.export(args.teacher_run, tmp + "/policy")))
 
 
-def compare(args: argparse.Namespace, teacher: str) -> None:
+def compare(args: argparse.Namespace, teacher: str | None) -> None:
     setup = ReasoningGym(args) if args.task else Calculator(args)
     print(f"teacher {teacher}; task {args.task or 'the calculator demo'}; lr {setup.lr:g}", flush=True)
     needed: dict[str, list[int]] = {"distill": [], "grpo": []}  # steps to the teacher; steps + 1: not within them
@@ -163,10 +170,10 @@ def compare(args: argparse.Namespace, teacher: str) -> None:
         held_out = setup.held_out(seed)
         key = repr([row["prompt"] for row in held_out])
         if key not in targets:
-            targets[key] = accuracy(setup.step(teacher, seed), held_out)
+            targets[key] = args.target if args.target is not None else accuracy(setup.step(teacher, seed), held_out)
         target = targets[key]
         reached, budget = {}, {}
-        for method in ("distill", "grpo"):
+        for method in args.methods:
             t0 = time.perf_counter()
             d = reached.get("distill")
             budget[method] = min(args.steps, 2 * d) if method == "grpo" and args.just_decide and d else args.steps
@@ -175,18 +182,21 @@ def compare(args: argparse.Namespace, teacher: str) -> None:
             shown = "  ".join(f"step {s}: {a:.3f}" for s, a in points)
             print(f"seed {seed} {method:>7}: {shown}  (teacher {target:.3f}; reaches it at {reached[method]}; "
                   f"{time.perf_counter() - t0:.0f}s)", flush=True)
+        for method in args.methods:  # a run that did not reach the teacher counts as its steps + 1
+            needed[method].append(reached[method] or budget[method] + 1)
+        censored |= "grpo" in reached and reached["grpo"] is None
+        if len(reached) < 2:
+            continue
         d, g = reached["distill"], reached["grpo"]
         ratio = (f"{g / d:.2f}x" if d and g else f"> {budget['grpo'] / d:.2f}x (GRPO did not reach it in "
                  f"{budget['grpo']} steps)" if d else "n/a (distillation did not reach it within the steps)")
         print(f"seed {seed}: steps to the teacher's accuracy, GRPO / distillation = {ratio}", flush=True)
-        needed["distill"].append(d or args.steps + 1)
-        needed["grpo"].append(g or budget["grpo"] + 1)
-        censored |= g is None
-    mean = {m: sum(v) / len(v) for m, v in needed.items()}
+    mean = {m: sum(v) / len(v) for m, v in needed.items() if v}
     bound = "at least " if censored else ""
-    print(f"mean over seeds {args.seeds}: distillation {mean['distill']:.2f} steps, GRPO {bound}{mean['grpo']:.2f} "
-          f"(a run that did not reach the teacher counts as its steps + 1); GRPO / distillation "
-          f"{bound}{mean['grpo'] / mean['distill']:.2f}x", flush=True)
+    shown = ", ".join(f"{m} {bound if m == 'grpo' else ''}{v:.2f} steps" for m, v in mean.items())
+    ratio = f"; GRPO / distillation {bound}{mean['grpo'] / mean['distill']:.2f}x" if len(mean) == 2 else ""
+    print(f"mean over seeds {args.seeds}: {shown} (a run that did not reach the teacher counts as its steps + 1)"
+          f"{ratio}", flush=True)
 
 
 if __name__ == "__main__":
