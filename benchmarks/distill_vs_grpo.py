@@ -1,4 +1,4 @@
-"""On-policy distillation vs GRPO on the calculator task, SmolLM2-135M-Instruct, from the same start.
+"""On-policy distillation vs GRPO from the same start, SmolLM2-135M-Instruct: the calculator task, or ``--task``.
 
     python examples/calculator_tool_rl.py                 # trains the teacher (runs/calculator_tool_rl)
     python benchmarks/distill_vs_grpo.py --teacher-run runs/calculator_tool_rl --steps 12 --seeds 0 1 2
