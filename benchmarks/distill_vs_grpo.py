@@ -27,8 +27,9 @@ on the same questions. A teacher for it: a curriculum run kept by ``curriculum.p
 
 ``--just-decide``: GRPO trains at most twice the steps distillation needed on that seed (enough
 to decide the goal; its curve is then cut there). ``--methods grpo`` (or ``distill``) runs one arm
-only, e.g. the two arms in two processes; ``--target`` then gives the teacher's held-out accuracy
-where an earlier run measured it, and with ``--methods grpo`` no teacher is loaded at all.
+only, e.g. the two arms in two processes (GRPO alone trains ``--steps``: ``--just-decide`` needs
+distillation's steps from the same process); ``--target`` then gives the teacher's held-out
+accuracy where an earlier run measured it, and with ``--methods grpo`` no teacher is loaded at all.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def main() -> None:
     p.add_argument("--just-decide", action="store_true",
                    help="GRPO trains at most twice the steps distillation needed (enough to decide the goal)")
     p.add_argument("--full-curves", action="store_true", help="train all --steps, not only until the teacher")
-    p.add_argument("--methods", nargs="+", choices=("distill", "grpo"), default=["distill", "grpo"])
+    p.add_argument("--methods", nargs="+", choices=("distill", "grpo"), default=["distill", "grpo"],
+                   help="the arms to run (distillation runs first when both are given)")
     p.add_argument("--target", type=float, default=None,
                    help="the teacher's held-out accuracy, measured by an earlier run (not measured again)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -154,7 +156,7 @@ def main() -> None:
                    help="the training questions (the demo's 24), the same whatever --steps is, so that runs with "
                         "different --steps or --eval-every train on the same data")
     args = p.parse_args()
-    if args.methods == ["grpo"] and args.target is not None:
+    if set(args.methods) == {"grpo"} and args.target is not None:
         return compare(args, None)
     with tempfile.TemporaryDirectory(prefix="teacher-") as tmp:
         compare(args, args.teacher or str(ml.export(args.teacher_run, tmp + "/policy")))
@@ -166,6 +168,7 @@ def compare(args: argparse.Namespace, teacher: str | None) -> None:
     needed: dict[str, list[int]] = {"distill": [], "grpo": []}  # steps to the teacher; steps + 1: not within them
     censored = False  # a GRPO run that did not reach the teacher: its count is a lower bound
     targets: dict[str, float] = {}  # the teacher's accuracy by held-out questions (the calculator's: one set)
+    methods = [m for m in ("distill", "grpo") if m in args.methods]
     for seed in args.seeds:
         held_out = setup.held_out(seed)
         key = repr([row["prompt"] for row in held_out])
@@ -173,7 +176,7 @@ def compare(args: argparse.Namespace, teacher: str | None) -> None:
             targets[key] = args.target if args.target is not None else accuracy(setup.step(teacher, seed), held_out)
         target = targets[key]
         reached, budget = {}, {}
-        for method in args.methods:
+        for method in methods:  # distillation first: --just-decide sizes GRPO's run by its steps
             t0 = time.perf_counter()
             d = reached.get("distill")
             budget[method] = min(args.steps, 2 * d) if method == "grpo" and args.just_decide and d else args.steps
@@ -182,7 +185,7 @@ def compare(args: argparse.Namespace, teacher: str | None) -> None:
             shown = "  ".join(f"step {s}: {a:.3f}" for s, a in points)
             print(f"seed {seed} {method:>7}: {shown}  (teacher {target:.3f}; reaches it at {reached[method]}; "
                   f"{time.perf_counter() - t0:.0f}s)", flush=True)
-        for method in args.methods:  # a run that did not reach the teacher counts as its steps + 1
+        for method in methods:  # a run that did not reach the teacher counts as its steps + 1
             needed[method].append(reached[method] or budget[method] + 1)
         censored |= "grpo" in reached and reached["grpo"] is None
         if len(reached) < 2:
