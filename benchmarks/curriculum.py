@@ -10,7 +10,7 @@
 ``--probe``: greedy held-out accuracy of the untrained model at level 0 and at the hardest level
 of each task (the benchmark wants a task that starts below 30% at the hardest level and is
 learnable, i.e. clearly above 0 at level 0). Otherwise, per seed: the same model, steps, batch,
-group and max_new_tokens, trained once with ``ml.Curriculum`` from level 0 and once at the
+group and max_new_tokens, trained once with ``ml.Curriculum`` from ``--start-level`` and once at the
 hardest level (the fixed difficulty), each evaluated greedily on the same held-out rows at the
 hardest level before and after. Printed: one markdown row per run and the mean over seeds, with
 the trained tokens of each arm (the budgets are equal in steps; tokens are reported, not forced).
