@@ -14,7 +14,9 @@ group and max_new_tokens, trained once with ``ml.Curriculum`` from ``--start-lev
 hardest level (the fixed difficulty), each evaluated greedily on the same held-out rows at the
 hardest level before and after. Printed: one markdown row per run and the mean over seeds, with
 the trained tokens of each arm (the budgets are equal in steps; tokens are reported, not forced).
-``--tools``: the example's calculator variant (``grpo_tools``, two worked tool calls per prompt).
+``--tools``: the example's calculator variant (``grpo_tools``, two worked tool calls per prompt);
+``--require-tool``: its score trained on, and passing the curriculum, only through a call that
+worked (both arms; held-out accuracy is the plain score).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=16)
     p.add_argument("--shots", type=int, default=1, help="worked examples before each question (ReasoningGymTask)")
     p.add_argument("--tools", action="store_true", help="the calculator tool, grpo_tools (the example's --tools)")
+    p.add_argument("--require-tool", action="store_true",
+                   help="with --tools: the score counts in training only through a call that worked (both arms)")
     p.add_argument("--start-level", type=int, default=0, help="the curriculum's first level")
     p.add_argument("--raise-above", type=float, default=0.5, help="raise the level above this recent pass rate")
     p.add_argument("--lower-below", type=float, default=0.1, help="lower it below this one (0: never lower)")
@@ -83,6 +87,8 @@ def main() -> int:
     args = p.parse_args()
     if unknown := set(args.arms.split(",")) - {"curriculum", "fixed"}:
         p.error(f"--arms {args.arms}: unknown {', '.join(sorted(unknown))}; accepted: curriculum, fixed")
+    if args.require_tool and not args.tools:
+        p.error("--require-tool needs --tools")
     if args.probe:
         probe(args.probe.split(","), n=args.test_size, max_new_tokens=args.max_new_tokens, shots=args.shots,
               tools=args.tools)
@@ -97,7 +103,8 @@ def main() -> int:
             with keep_or_delete(args.keep_runs, f"{arm}-{seed}") as run_dir:  # ~2 GB of checkpoints a run
                 r = run(task_name=args.task, steps=args.steps, batch_size=args.batch, group_size=args.group,
                         max_new_tokens=args.max_new_tokens, lr=args.lr, seed=seed, test_size=args.test_size,
-                        shots=args.shots, tools=args.tools, fixed_level=hardest if arm == "fixed" else None,
+                        shots=args.shots, tools=args.tools, require_tool=args.require_tool,
+                        fixed_level=hardest if arm == "fixed" else None,
                         run_dir=run_dir, curriculum=ml.Curriculum(
                             start_level=args.start_level, raise_above=args.raise_above,
                             lower_below=args.lower_below, window=args.window))
