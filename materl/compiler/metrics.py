@@ -1,8 +1,9 @@
 """What a step reports about its rollouts: episode counts, reward means and spreads per reward
-node and per reward term (and per-episode ``agent/`` and ``judge/`` figures), trained tokens,
-tool calls and their success (0 and 0 on a tool recipe's step without a call), per-turn
-advantage statistics (``advantage_turn_metrics``), prompt tokens the engine prefilled and reused
-from kept caches (where it reports them) and per-node times.
+node and per reward term (and per-episode ``agent/`` and ``judge/`` figures), the share of groups
+whose rewards are all equal (``groups/zero_std``), trained tokens, tool calls and their success
+(0 and 0 on a tool recipe's step without a call), per-turn advantage statistics
+(``advantage_turn_metrics``), prompt tokens the engine prefilled and reused from kept caches
+(where it reports them) and per-node times.
 
 ``reward`` (and every ``reward/...``) is over the episodes that count: an episode masked out by a
 tool outage (compile option ``infra_failures="mask"``) got whatever reward its broken tools
@@ -51,18 +52,35 @@ def rollout_metrics(plan, episodes: list[Episode], rollout_of: Callable[[Episode
 def _rewards(plan, ok: list[Episode]) -> dict[str, float]:
     columns: dict[str, list] = {}  # key -> its per-episode figures
     reward_nodes = [n for n in plan.order if output_of(plan.nodes[n]).kind is Kind.SCORE]
+    m: dict[str, float] = {}
     for name in reward_nodes:
-        totals = [_total(e.values[name]) for e in ok if name in e.values]
+        scored = [e for e in ok if name in e.values]
+        totals = [_total(e.values[name]) for e in scored]
         if totals:
             columns["reward" if name == reward_nodes[0] else f"reward/{name}"] = totals
+        if name == reward_nodes[0]:
+            m |= _zero_std_groups(scored, totals)
     comps = sorted({k for e in ok for k in e.metrics if k.startswith(("reward/", "agent/", "judge/", "self_play/"))})
     for k in comps:
         columns[k] = [e.metrics[k] for e in ok if k in e.metrics]
     stats = _column_stats(columns)
-    m: dict[str, float] = {}
     for key in columns:
         m["reward" if key == "reward" else f"{key}/mean"], m[f"{key}/std"] = stats[key]
     return m
+
+
+def _zero_std_groups(episodes: list[Episode], totals: list[float]) -> dict[str, float]:
+    """``groups/zero_std``: of the groups with two or more of ``episodes``, the share whose total
+    rewards are all equal. A group-normalised estimator (GRPO, DAPO, RLOO, ...) gives such a group
+    no advantage, so a step near 1 trains on next to nothing (TRL's ``frac_reward_zero_std``).
+    Nothing when no group has two episodes (one a prompt, or failures left one)."""
+    by_group: dict[int, list[float]] = {}
+    for e, total in zip(episodes, totals):
+        by_group.setdefault(e.group, []).append(total)
+    groups = [v for v in by_group.values() if len(v) >= 2]
+    if not groups:
+        return {}
+    return {"groups/zero_std": sum(max(v) == min(v) for v in groups) / len(groups)}
 
 
 def _column_stats(columns: dict[str, list]) -> dict[str, tuple[float, float]]:

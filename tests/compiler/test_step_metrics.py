@@ -1,5 +1,6 @@
 """A step's metrics read as the recipe was written: each reward term under its own name
-(``reward/<term>/mean``), and ``tool_calls``/``tool_success`` in every step of a tool recipe."""
+(``reward/<term>/mean``), ``groups/zero_std``, and ``tool_calls``/``tool_success`` in every step
+of a tool recipe."""
 
 import dataclasses
 
@@ -60,6 +61,36 @@ def test_each_term_has_its_own_mean_under_its_name():
     # the weighted total: 0.25 + 1 + 0.5 * 3 + 1 + 2 = 5.75 for every episode, so std 0
     assert m["reward"] == 5.75 and m["reward/std"] == 0.0
     assert "tool_calls" not in m and "tool_success" not in m  # no tools in this recipe
+
+
+def by_prompt(*, prompts, completions, **_):
+    """Prompt "b": a different reward for every episode; any other prompt: the same one."""
+    return [float(next(_counter)) if p == "b" else 1.0 for p, _c in zip(prompts, completions)]
+
+
+_counter = iter(range(10**6))
+
+
+@ml.recipe
+def per_prompt(policy, prompts):
+    completions = ml.generate(policy, prompts, name="completions")
+    ml.advantages(ml.reward(by_prompt), name="advantages")
+
+
+def test_zero_std_groups_is_the_share_of_groups_whose_rewards_are_all_equal():
+    def metrics(group_size: int, prompts: list[str]) -> dict:
+        compiled = Compiled(per_prompt, {"policy": ml.Agent("tiny-random")},
+                            CompileOptions(max_new_tokens=2, group_size=group_size), rollout_only=True)
+        try:
+            return compiled.rollout_metrics(compiled.call_blocking(compiled.rollout, prompts))
+        finally:
+            compiled.close()
+
+    # groups "a" and "c": every episode 1.0 (zero std); "b": all different -> 2 of 3 groups
+    assert metrics(3, ["a", "b", "c"])["groups/zero_std"] == 2 / 3
+    assert metrics(2, ["b"])["groups/zero_std"] == 0.0
+    assert metrics(2, ["a"])["groups/zero_std"] == 1.0
+    assert "groups/zero_std" not in metrics(1, ["a", "b"])  # one episode a prompt: no group to judge
 
 
 class Clock:
